@@ -1,0 +1,1 @@
+"""The inference engine. Never imports redis (a test asserts it)."""

@@ -1,0 +1,44 @@
+"""Engine configuration: every engine default, validated with clear errors."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 64  # sequences in one step
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # default: the model's context length
+    num_kv_blocks: int | None = None  # default: sized from memory
+    kv_cache_memory_gb: float = 1.0  # CPU: memory given to the KV cache when num_kv_blocks unset
+    gpu_memory_utilization: float = 0.90  # CUDA: share of total device memory the engine may use
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda if available else cpu
+    kv_cache_dtype: str = "auto"  # auto = model dtype; "fp8" (CUDA only)
+    enforce_eager: bool = False  # disable CUDA graphs
+    use_triton: bool | None = None  # None: Triton kernels on CUDA, reference path on CPU
+    seed: int = 0  # seed of the generator for requests without their own seed
+
+    def validate(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128 (got {self.block_size})")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if not self.enable_chunked_prefill and self.max_model_len and \
+                self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill max_num_batched_tokens must be >= max_model_len")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError("kv_cache_dtype must be 'auto' or 'fp8'")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError("dtype must be auto, float32, bfloat16 or float16")

@@ -1,0 +1,75 @@
+"""A request inside the engine.
+
+Invariant (vLLM v1): ``num_computed_tokens <= num_tokens``; every step the scheduler
+hands a request ``num_new_tokens`` so that computed catches up with ``token_ids``. A
+request whose computed tokens equal its tokens after a step samples one new token.
+Prefill, chunked prefill, prefix-cache hits, decode and recompute after preemption are
+all the same loop.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, blocks freed, recompute later
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # larger = more important; preemption victim is the lowest
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
+    block_table: list[int] = field(default_factory=list)
+    # hashes of this sequence's full blocks, in order (filled by the block manager)
+    block_hashes: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    # tokens already produced before this Sequence existed (crash resume): they are part
+    # of token_ids but count as output for max_tokens / penalties.
+    num_resumed_output: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

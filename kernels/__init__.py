@@ -1,0 +1,12 @@
+"""Triton kernels and their pure-torch reference twins.
+
+Layouts shared by every kernel (checked by each wrapper):
+  k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim]
+  slot_mapping     : [num_tokens] int64, slot = block_id * block_size + offset; -1 = skip
+  block_tables     : [num_seqs, max_blocks_per_seq] int32, unused entries -1
+  seq_lens         : [num_seqs] int32, context length of each sequence INCLUDING this step
+  cu_seqlens_q     : [num_seqs + 1] int32, query tokens of seq b are q[cu[b]:cu[b+1]];
+                     they are the LAST (cu[b+1]-cu[b]) positions of its context (causal).
+Imports nothing from engine. No __version__ here (see ENVIRONMENT.md: transformers probes
+for a package named `kernels`).
+"""

@@ -1,0 +1,110 @@
+"""Pure-torch twins of every kernel. The CPU engine runs these; tests compare the Triton
+kernels against them. Written for clarity, not speed (loops over sequences)."""
+from __future__ import annotations
+
+import torch
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, Hkv, D] into the caches at slot_mapping [T]; slot -1 is skipped."""
+    nb, bs, h, d = k_cache.shape
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(nb * bs, h, d)[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(nb * bs, h, d)[slots] = value[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence from the paged cache: [length, Hkv, D]."""
+    bs = cache.shape[1]
+    nblocks = (length + bs - 1) // bs
+    blocks = block_table[:nblocks].long()
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] over each sequence's paged context.
+
+    Query j (0-based) of sequence b sits at position seq_lens[b] - qlen_b + j and attends
+    to keys 0..that position. Covers prefill, chunked prefill with a cached prefix, and
+    decode (qlen 1). GQA: query head h reads KV head h // (Hq // Hkv).
+    """
+    out = torch.empty_like(q)
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, length in enumerate(lens):
+        s, e = cu[b], cu[b + 1]
+        if e == s:
+            continue
+        qb = q[s:e].float().transpose(0, 1)  # [Hq, qlen, D]
+        k = gather_kv(k_cache, block_tables[b], length).float().transpose(0, 1)
+        v = gather_kv(v_cache, block_tables[b], length).float().transpose(0, 1)
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+        scores = (qb @ k.transpose(1, 2)) * scale  # [Hq, qlen, L]
+        qpos = torch.arange(length - (e - s), length).unsqueeze(1)
+        kpos = torch.arange(length).unsqueeze(0)
+        scores.masked_fill_(kpos > qpos, float("-inf"))
+        out[s:e] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Decode: q [B, Hq, D], one query per sequence at its last position."""
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual)."""
+    s = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm(s, weight, eps), s
+
+
+def rotary_cos_sin(head_dim: int, max_position: int, base: float,
+                   scaling: dict | None = None) -> torch.Tensor:
+    """cos_sin_cache [max_position, head_dim]: first half cos, second half sin (float32).
+    ``scaling``: a Llama-3 style rope_scaling dict (rope_type 'llama3') or None."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        import math
+        factor = scaling["factor"]
+        lo, hi = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    t = torch.arange(max_position, dtype=torch.float64)
+    freqs = torch.outer(t, inv)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX/HF-Llama rotary (rotate_half) on q [T, Hq, D] and k [T, Hkv, D]."""
+    cs = cos_sin_cache[positions.long()]  # [T, D]
+    half = cs.shape[-1] // 2
+    cos, sin = cs[:, :half].unsqueeze(1), cs[:, half:].unsqueeze(1)
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)

@@ -1,0 +1,1 @@
+"""pagedq's client side. Never imports torch (a test asserts it)."""

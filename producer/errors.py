@@ -1,0 +1,26 @@
+"""Typed errors a producer may catch. All derive from PagedqError."""
+from __future__ import annotations
+
+
+class PagedqError(Exception):
+    """Base of every pagedq client error."""
+
+
+class InvalidRequest(PagedqError, ValueError):
+    """The job request failed validation; nothing was enqueued."""
+
+
+class JobConflict(PagedqError):
+    """A job id was reused with a different request body."""
+
+
+class JobNotFound(PagedqError, KeyError):
+    """No job record exists for this id (never submitted, or expired after its TTL)."""
+
+
+class Overloaded(PagedqError):
+    """The queue is past its configured caps; retry later. Nothing was enqueued."""
+
+
+class ResultTimeout(PagedqError, TimeoutError):
+    """The job did not reach a terminal state within the timeout."""

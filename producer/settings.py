@@ -1,0 +1,41 @@
+"""Every service-side default in one place. Each field is overridable by the environment
+variable PAGEDQ_<NAME> (e.g. PAGEDQ_REDIS_URL) or by the matching CLI flag.
+
+Engine defaults (block size, token budget, ...) live in engine/config.py; the worker
+maps PAGEDQ_ENGINE_* style CLI flags onto it.
+"""
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PAGEDQ_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "pagedq"
+    model: str = "smollm2"  # served model name = jobs stream name
+
+    # results and event logs
+    result_ttl_s: int = Field(86400, ge=1)  # job hash + out stream TTL after the job ends
+    out_maxlen: int = Field(10000, ge=10)  # approximate cap of a job's out stream
+    stream_idle_ttl_s: int = Field(3600, ge=10)  # out stream TTL while running, refreshed
+
+    # recovery
+    lease_s: float = Field(30.0, gt=0)  # entry idle time after which another worker may claim it
+    max_deliveries: int = Field(3, ge=1)  # attempts before a job goes to the DLQ
+    heartbeat_ttl_s: float = Field(15.0, gt=0)
+
+    # backpressure (producer side refuses with Overloaded past these; 0 = unlimited)
+    max_queued_jobs: int = Field(0, ge=0)
+    max_queued_tokens: int = Field(0, ge=0)
+
+    # publishing
+    coalesce_ms: float = Field(0.0, ge=0)  # hold a job's deltas this long when the batch is large
+    coalesce_min_batch: int = Field(64, ge=1)
+
+    # worker shutdown
+    drain_timeout_s: float = Field(30.0, ge=0)
+    step_watchdog_s: float = Field(120.0, gt=0)  # a step longer than this is a wedged engine
+    metrics_port: int = Field(0, ge=0)  # 0 = no HTTP metrics endpoint
