@@ -1,0 +1,223 @@
+"""LLMEngine: the scheduler, model runner and sampler stepped together.
+
+One ``step()`` = schedule a token budget -> one forward pass -> sample the sequences
+that caught up -> detokenize, check stops -> free finished requests. Requests may be
+added and aborted between any two steps; a request added now joins the next step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import OutputStream
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput, StepOutput
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class _Live:
+    seq: Sequence
+    stream: OutputStream
+    max_output: int  # params.max_tokens clipped to the context left
+
+
+class LLMEngine:
+    def __init__(self, model: str = "smollm2", **config: Any) -> None:
+        self.config = EngineConfig(**config)
+        self.config.validate()
+        self.runner = ModelRunner(model, self.config)
+        self.tokenizer = self.runner.tokenizer
+        self.max_model_len = self.runner.max_model_len
+        self.eos_token_ids = set(self.runner.eos_token_ids)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids, self.config.seed)
+        self._live: dict[str, _Live] = {}
+
+    # ---- requests -------------------------------------------------------------------
+    def encode(self, prompt: str | list[int] | None = None,
+               messages: list[dict[str, str]] | None = None) -> list[int]:
+        """Token ids of a text prompt, a token-id prompt, or chat messages (chat template)."""
+        if messages is not None:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return list(ids)
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise ValueError("prompt must be text, a list of token ids, or chat messages")
+
+    def add_request(self, request_id: str, prompt: str | list[int] | None = None,
+                    params: SamplingParams | None = None, *,
+                    messages: list[dict[str, str]] | None = None, priority: int = 0,
+                    resume_token_ids: list[int] | None = None) -> int:
+        """Queue a request; returns its prompt length. Raises ValueError for bad input
+        (empty prompt, prompt that does not fit the context, token ids out of vocab).
+
+        ``resume_token_ids``: output tokens an earlier attempt already produced (crash
+        resume); they are re-prefilled, not re-emitted, and count toward max_tokens.
+        """
+        params = params or SamplingParams()
+        if request_id in self._live or any(k.startswith(request_id + "#") for k in self._live):
+            raise ValueError(f"request {request_id!r} already exists")
+        ids = self.encode(prompt, messages)
+        if not ids:
+            raise ValueError("prompt is empty after tokenization")
+        vocab = self.runner.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        resumed = list(resume_token_ids or [])
+        total = len(ids) + len(resumed)
+        if total >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens (+{len(resumed)} resumed); the "
+                             f"model's context is {self.max_model_len} tokens")
+        max_output = min(params.max_tokens, self.max_model_len - len(ids))
+        n = params.n
+        for k in range(n):
+            rid = request_id if n == 1 else f"{request_id}#{k}"
+            seq = Sequence(rid, ids, params, priority=priority, token_ids=ids + resumed)
+            seq.num_resumed_output = len(resumed)
+            stream = OutputStream(self.tokenizer, params, ids)
+            for t in resumed:  # replay, discarding text the earlier attempt already emitted
+                stream.push(t)
+            self.scheduler.add(seq)
+            self._live[rid] = _Live(seq, stream, max_output)
+        return len(ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request (all its samples); its KV blocks are freed at once."""
+        rids = [k for k in self._live if k == request_id or k.startswith(request_id + "#")]
+        for rid in rids:
+            self.scheduler.abort(rid)
+            del self._live[rid]
+        return bool(rids)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def can_admit(self) -> bool:
+        return self.scheduler.can_admit()
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage
+
+    # ---- stepping -------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        logits = self.runner.execute(batch)
+        self.scheduler.update_after_step(batch)
+        if not sampling:
+            return []
+        sampled = self.sampler(logits, sampling)
+        outs: list[StepOutput] = []
+        for seq, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
+            live = self._live[seq.request_id]
+            outs.append(self._advance(live, tok, lp))
+        return outs
+
+    def _advance(self, live: _Live, tok: int, lp: Any) -> StepOutput:
+        seq, p = live.seq, live.seq.params
+        seq.append_token(tok)
+        reason = None
+        delta = ""
+        by_string = False
+        is_stop_token = tok in p.stop_token_ids or (tok in self.eos_token_ids and not p.ignore_eos)
+        if is_stop_token and seq.num_output_tokens >= p.min_tokens:
+            reason = "stop"  # the stop token itself is not detokenized into the text
+        else:
+            delta, by_string = live.stream.push(tok)
+            if by_string:
+                reason = "stop"
+            elif seq.num_output_tokens >= live.max_output or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            if not by_string:  # release text held back as a possible stop-string prefix
+                delta += live.stream.finish()
+            self.scheduler.finish(seq, reason)
+            del self._live[seq.request_id]
+        return StepOutput(seq.request_id, [tok], delta, reason is not None, reason,
+                          seq.num_prompt_tokens, seq.num_output_tokens,
+                          [lp] if lp is not None else None)
+
+    # ---- offline ----------------------------------------------------------------------
+    def generate(self, prompts: list[str] | list[list[int]] | str,
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        ids = [f"gen-{i}" for i in range(len(prompts))]
+        state: dict[str, dict[str, Any]] = {}
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            plen = self.add_request(rid, prompt, p)
+            for k in range(p.n):
+                sid = rid if p.n == 1 else f"{rid}#{k}"
+                state[sid] = {"text": [], "ids": [], "lp": [], "reason": None,
+                              "prompt": self._live[sid].seq.prompt_token_ids[:plen]}
+        bar = _progress(len(state), use_tqdm)
+        while self.has_unfinished():
+            for o in self.step():
+                st = state[o.request_id]
+                st["text"].append(o.delta)
+                st["ids"].extend(o.new_token_ids)
+                if o.logprobs:
+                    st["lp"].extend(o.logprobs)
+                if o.finished:
+                    st["reason"] = o.finish_reason
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+
+        def out(sid: str) -> RequestOutput:
+            st = state[sid]
+            return RequestOutput(sid, st["prompt"], "".join(st["text"]), st["ids"],
+                                 st["reason"], st["lp"] or None)
+
+        results = []
+        for rid, p in zip(ids, params, strict=True):
+            if p.n == 1:
+                results.append(out(rid))
+            else:
+                samples = [out(f"{rid}#{k}") for k in range(p.n)]
+                first = samples[0]
+                results.append(RequestOutput(rid, first.prompt_token_ids, first.text,
+                                             first.token_ids, first.finish_reason,
+                                             first.logprobs, samples))
+        return results
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="generate", unit="req")

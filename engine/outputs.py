@@ -1,0 +1,34 @@
+"""What the engine reports back, per step and per finished request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """New tokens of one request in one step. ``delta`` is text safe to publish: the
+    concatenation of a request's deltas is always its final text (stop strings never leak).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    delta: str
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: list[Any] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished request of the offline ``generate()`` API."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[Any] | None = None
+    samples: list[RequestOutput] = field(default_factory=list)  # all n samples when n > 1

@@ -1,0 +1,137 @@
+"""The whole path: producer -> Redis stream -> real worker process (SmolLM2 on the CPU,
+paged KV cache) -> tokens back through Redis."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from producer import Client
+from producer.errors import InvalidRequest
+from producer.keys import GROUP
+from tests.worker_proc import WorkerProc
+
+PROMPTS = ["What is the capital of France?", "Count from one to five.", "Say hi.",
+           "Write one sentence about cats.", "What is 2+2?", "Name a color.",
+           "Describe the moon in a few words.", "Tell me a fun fact about octopuses.",
+           "Why do leaves fall?", "List three fruits."]
+
+
+@pytest.fixture(scope="module")
+def service(shared_redis_server):
+    prefix = f"e2e{time.time_ns()}"
+    w = WorkerProc(shared_redis_server.url, prefix, extra=["--max-num-seqs", "16"]).start()
+    client = Client(shared_redis_server.url, prefix=prefix, model="smollm2")
+    yield client, w
+    w.stop()
+    client.close()
+
+
+def test_concurrent_jobs_all_finish_and_streams_match(service):
+    client, _w = service
+    ids: list[str] = []
+    lock = threading.Lock()
+
+    def produce(chunk):
+        for k, p in chunk:
+            jid = client.submit(messages=[{"role": "user", "content": p}],
+                                max_tokens=8 + 4 * k, temperature=0.0)
+            with lock:
+                ids.append(jid)
+
+    jobs = list(enumerate(PROMPTS))
+    threads = [threading.Thread(target=produce, args=(jobs[i::3],)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(ids)) == len(PROMPTS)
+    for jid in ids:
+        rec = client.result(jid, timeout=300)
+        assert rec.status == "finished", rec
+        assert rec.usage.prompt_tokens > 0 and rec.usage.completion_tokens > 0
+        events = list(client.stream(jid, timeout=30))
+        assert [e.index for e in events] == list(range(len(events)))
+        assert events[-1].type == "final"
+        deltas = "".join(e.delta for e in events[:-1])
+        assert deltas == rec.text == events[-1].text
+        assert sum(len(e.token_ids) for e in events[:-1]) == rec.usage.completion_tokens
+
+
+def test_job_submitted_mid_generation_joins_running_batch(service):
+    client, _w = service
+    long_id = client.submit("Write a long story about a dragon.", max_tokens=120,
+                            temperature=0.0, ignore_eos=True)
+    it = client.stream(long_id, timeout=120)
+    for _ in range(3):  # the long job is generating
+        assert next(it).type == "token"
+    short_id = client.submit("Say yes.", max_tokens=4, temperature=0.0, ignore_eos=True)
+    short = client.result(short_id, timeout=120)
+    long_now = client.status(long_id)
+    assert short.status == "finished"
+    assert long_now.status == "running", "the short job had to wait for the long one"
+    assert client.result(long_id, timeout=300).usage.completion_tokens == 120
+
+
+def test_late_reader_and_resume_from_index_get_every_token_once(service):
+    client, _w = service
+    jid = client.submit("Count from one to twenty.", max_tokens=24, temperature=0.0,
+                        ignore_eos=True)
+    it = client.stream(jid, timeout=120)
+    first = [next(it) for _ in range(5)]  # "disconnect" after five events
+    rec = client.result(jid, timeout=300)
+    rest = list(client.stream(jid, from_index=5, timeout=30))  # reconnect from the cursor
+    late = list(client.stream(jid, timeout=30))  # a reader that starts after the end
+    assert [e.index for e in first + rest] == list(range(len(late)))
+    assert [e.model_dump() for e in first + rest] == [e.model_dump() for e in late]
+    assert "".join(e.delta for e in late[:-1]) == rec.text
+
+
+def test_prompt_longer_than_context_fails_without_disturbing_others(service):
+    client, _w = service
+    ok_id = client.submit("Say hello.", max_tokens=6, temperature=0.0, ignore_eos=True)
+    long_prompt = "hello " * 9000  # > 8192 tokens, the model's context
+    bad_id = client.submit(long_prompt, max_tokens=4)
+    bad = client.result(bad_id, timeout=120)
+    assert bad.status == "failed" and "context" in bad.error
+    assert client.result(ok_id, timeout=120).status == "finished"
+
+
+def test_malformed_raw_entries_are_failed_and_worker_keeps_serving(service):
+    client, _w = service
+    r = redis.Redis.from_url(client.redis.connection_pool.connection_kwargs.get("url", "")
+                             or _url(client), decode_responses=True)
+    stream = client.keys.jobs("smollm2")
+    r.xadd(stream, {"garbage": "1"})
+    r.xadd(stream, {"job": "raw-bad-json", "body": "{not json"})
+    r.xadd(stream, {"job": "raw-bad-field", "body": '{"prompt": "x", "max_tokens": -3}'})
+    good = client.submit("Say ok.", max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert client.result(good, timeout=120).status == "finished"
+    for jid in ("raw-bad-json", "raw-bad-field"):
+        rec = client.result(jid, timeout=60)
+        assert rec.status == "failed" and rec.error.startswith(("malformed", "invalid"))
+    dlq = r.xrange(client.keys.dlq("smollm2"))
+    reasons = [f["reason"] for _id, f in dlq]
+    assert any("no 'body'" in x for x in reasons)
+    assert any("not JSON" in x for x in reasons)
+    assert any("max_tokens" in x for x in reasons)
+    assert r.xpending(stream, GROUP)["pending"] == 0
+
+
+def test_bad_input_is_refused_at_submit_and_nothing_enqueued(service):
+    client, _w = service
+    stream = client.keys.jobs("smollm2")
+    before = client.redis.xlen(stream)
+    bad = [dict(prompt=""), dict(prompt="hi", max_tokens=-1), dict(prompt="hi", max_tokens=10**7),
+           dict(prompt="hi", temperature=-0.5), dict(prompt="hi", bogus_field=1)]
+    for kw in bad:
+        with pytest.raises(InvalidRequest):
+            client.submit(**kw)
+    assert client.redis.xlen(stream) == before
+
+
+def _url(client) -> str:
+    kw = client.redis.connection_pool.connection_kwargs
+    return f"redis://{kw.get('host', '127.0.0.1')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"

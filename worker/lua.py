@@ -1,0 +1,125 @@
+"""Server-side scripts of the worker. Each runs atomically; each write to a job is fenced
+by its ``attempt`` (a reclaiming worker bumps it, so a stale owner's writes are refused).
+
+Event ``i`` of a job lives at out-stream id ``0-(i+1)``: XADD of an existing index fails,
+so no event is ever written twice (see producer/keys.py).
+"""
+
+# KEYS: job hash, queued-tokens counter. ARGV: worker id, now, model.
+# -> {'ok', attempt, deadline, was_status} | {'terminal', status}
+START = r"""
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then
+  redis.call('HSET', KEYS[1], 'status', 'queued', 'model', ARGV[3], 'attempt', 0,
+             'created_at', ARGV[2])
+  st = 'queued'
+end
+if st ~= 'queued' and st ~= 'running' then return {'terminal', st} end
+if st == 'queued' then
+  local q = tonumber(redis.call('HGET', KEYS[1], 'qtok') or '0') or 0
+  if q > 0 then redis.call('DECRBY', KEYS[2], q) end
+  redis.call('HSET', KEYS[1], 'started_at', ARGV[2])
+end
+local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
+return {'ok', attempt, redis.call('HGET', KEYS[1], 'deadline') or '', st}
+"""
+
+# One call per publish round for every job with new tokens.
+# KEYS: job1, out1, job2, out2, ...   ARGV: maxlen, idle_ttl, then per job 6 values:
+# attempt, index, delta, ids, logprobs-json-or-'', channel.   -> number of events written
+PUBLISH = r"""
+local maxlen, ttl, n = ARGV[1], ARGV[2], #KEYS / 2
+local written = 0
+for j = 0, n - 1 do
+  local jk, ok = KEYS[2 * j + 1], KEYS[2 * j + 2]
+  local b = 2 + 6 * j
+  local h = redis.call('HMGET', jk, 'attempt', 'status')
+  if h[1] == ARGV[b + 1] and h[2] == 'running' then
+    local idx = tonumber(ARGV[b + 2])
+    local f = {'t', 'token', 'i', ARGV[b + 2], 'd', ARGV[b + 3], 'ids', ARGV[b + 4]}
+    local m = {t = 'token', i = ARGV[b + 2], d = ARGV[b + 3], ids = ARGV[b + 4]}
+    if ARGV[b + 5] ~= '' then
+      f[#f + 1] = 'lp'; f[#f + 1] = ARGV[b + 5]; m.lp = ARGV[b + 5]
+    end
+    local r = redis.pcall('XADD', ok, 'MAXLEN', '~', maxlen, '0-' .. (idx + 1), unpack(f))
+    if type(r) == 'string' then
+      redis.call('PUBLISH', ARGV[b + 6], cjson.encode(m))
+      written = written + 1
+    end
+    redis.call('EXPIRE', ok, ttl)
+  end
+end
+return written
+"""
+
+# KEYS: job hash, out stream, jobs stream, cancel set
+# ARGV: attempt, status, finish_reason, text, error, prompt_tokens, completion_tokens,
+#       index, ttl, entry_id, group, job_id, channel, now, maxlen
+# -> 'ok' | 'dup' (already terminal under our attempt: just acked) | 'fenced' (not ours)
+FINISH = r"""
+local h = redis.call('HMGET', KEYS[1], 'attempt', 'status')
+if h[1] ~= ARGV[1] then return 'fenced' end
+local st = h[2]
+if st == 'finished' or st == 'failed' or st == 'cancelled' or st == 'expired' then
+  if ARGV[10] ~= '' then redis.call('XACK', KEYS[3], ARGV[11], ARGV[10]) end
+  return 'dup'
+end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'finish_reason', ARGV[3], 'text', ARGV[4],
+           'error', ARGV[5], 'prompt_tokens', ARGV[6], 'completion_tokens', ARGV[7],
+           'finished_at', ARGV[14])
+local idx = tonumber(ARGV[8])
+redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[15], '0-' .. (idx + 1), 't', 'final',
+            'i', ARGV[8], 'status', ARGV[2], 'fr', ARGV[3], 'text', ARGV[4], 'err', ARGV[5],
+            'pt', ARGV[6], 'ct', ARGV[7])
+redis.call('PUBLISH', ARGV[13], cjson.encode({t = 'final', i = ARGV[8], status = ARGV[2],
+           fr = ARGV[3], text = ARGV[4], err = ARGV[5], pt = ARGV[6], ct = ARGV[7]}))
+redis.call('EXPIRE', KEYS[1], ARGV[9])
+redis.call('EXPIRE', KEYS[2], ARGV[9])
+redis.call('SREM', KEYS[4], ARGV[12])
+if ARGV[10] ~= '' then redis.call('XACK', KEYS[3], ARGV[11], ARGV[10]) end
+return 'ok'
+"""
+
+# A stream entry that cannot become a job (malformed, invalid, poison): dead-letter it,
+# fail its job record if it has a usable one that is not terminal yet, and ack it.
+# KEYS: jobs stream, dlq stream, job hash (or '' key), out stream (or '' key)
+# ARGV: group, entry_id, reason, job_id-or-'', body, now, ttl, channel, deliveries
+REJECT = r"""
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', 100000, '*', 'entry', ARGV[2], 'job', ARGV[4],
+           'reason', ARGV[3], 'body', ARGV[5], 'deliveries', ARGV[9], 'at', ARGV[6])
+if ARGV[4] ~= '' then
+  local st = redis.call('HGET', KEYS[3], 'status')
+  if (not st) or st == 'queued' or st == 'running' then
+    local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)
+    local idx = 0
+    if #last > 0 then idx = tonumber(string.match(last[1][1], '%d+$')) end
+    redis.call('HSET', KEYS[3], 'status', 'failed', 'finish_reason', 'error',
+               'error', ARGV[3], 'finished_at', ARGV[6])
+    redis.pcall('XADD', KEYS[4], '0-' .. (idx + 1), 't', 'final', 'i', idx,
+                'status', 'failed', 'fr', 'error', 'text', '', 'err', ARGV[3], 'pt', 0, 'ct', 0)
+    redis.call('PUBLISH', ARGV[8], cjson.encode({t = 'final', i = tostring(idx),
+               status = 'failed', fr = 'error', text = '', err = ARGV[3], pt = '0', ct = '0'}))
+    redis.call('EXPIRE', KEYS[3], ARGV[7])
+    redis.call('EXPIRE', KEYS[4], ARGV[7])
+  end
+end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+return 'ok'
+"""
+
+# Lease refresh: reset the idle time of entries this worker still owns, so live
+# long-running jobs are not reclaimed. Fenced: an entry whose job attempt moved on
+# (reclaimed by another worker) is left alone, never claimed back.
+# KEYS: jobs stream, job hash 1..n   ARGV: group, consumer, then entry_id, attempt per job
+REFRESH = r"""
+local n = 0
+for j = 2, #KEYS do
+  local b = 3 + 2 * (j - 2)
+  if redis.call('HGET', KEYS[j], 'attempt') == ARGV[b + 1] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[b], 'JUSTID')
+    n = n + 1
+  end
+end
+return n
+"""

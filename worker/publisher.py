@@ -1,0 +1,201 @@
+"""Publishing off the engine's critical path.
+
+The engine loop hands each step's deltas to ``Publisher.tokens()`` and goes on with the
+next step; one background thread drains everything queued so far into ONE pipelined
+round trip: one PUBLISH script call for all token events, then the terminal scripts.
+When Redis is slower than the engine, the queue grows and a job's deltas from several
+steps merge into one event (adaptive coalescing, no added latency when Redis keeps up).
+
+Invariants: a job's events are written in index order, its final event last; the
+thread owns every job's next event index; a failed round trip is retried as a whole
+(scripts are idempotent: explicit event ids, compare-and-set on attempt).
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+import structlog
+
+from producer.keys import GROUP, Keys
+from producer.settings import Settings
+from worker import lua
+
+log = structlog.get_logger("pagedq.publisher")
+
+
+@dataclass(slots=True)
+class Final:
+    job_id: str
+    attempt: int
+    entry_id: str
+    status: str
+    finish_reason: str
+    text: str
+    error: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    on_done: Callable[[str], None] | None = None  # receives the script's verdict
+
+
+@dataclass(slots=True)
+class _Pending:
+    attempt: int
+    delta: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    lp: list[Any] = field(default_factory=list)
+
+
+class Publisher:
+    def __init__(self, r: redis.Redis, keys: Keys, settings: Settings, model: str) -> None:
+        self.r, self.keys, self.s, self.model = r, keys, settings, model
+        self._publish = r.register_script(lua.PUBLISH)
+        self._finish = r.register_script(lua.FINISH)
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._next_index: dict[str, int] = {}  # owned by the publisher thread
+        self._thread = threading.Thread(target=self._run, name="pagedq-publisher", daemon=True)
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self.cancel_hits: queue.SimpleQueue = queue.SimpleQueue()  # job ids to abort
+        self.round_trips = 0
+        self.rounds = 0
+        self.errors = 0
+
+    # ---- called from the engine loop --------------------------------------------------
+    def start(self) -> Publisher:
+        self._thread.start()
+        return self
+
+    def register(self, job_id: str, attempt: int, next_index: int) -> None:
+        self._q.put(("reg", job_id, attempt, next_index))
+
+    def tokens(self, batch: list[tuple[str, int, str, list[int], Any]]) -> None:
+        """(job_id, attempt, delta, token_ids, logprobs) for every job with new tokens."""
+        if batch:
+            self._idle.clear()
+            self._q.put(("tok", batch))
+
+    def final(self, f: Final) -> None:
+        self._idle.clear()
+        self._q.put(("fin", f))
+
+    def call(self, fn: Callable[[redis.client.Pipeline], None]) -> None:
+        """Run ``fn(pipeline)`` in the next round trip (heartbeats, lease refresh)."""
+        self._q.put(("call", fn))
+
+    def check_cancels(self, job_ids: list[str]) -> None:
+        if job_ids:
+            self._q.put(("cancel?", job_ids))
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Block until everything queued so far is written."""
+        ev = threading.Event()
+        self._q.put(("flush", ev))
+        return ev.wait(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.flush(timeout)
+        self._stop.set()
+        self._q.put(("noop",))
+        self._thread.join(timeout)
+
+    # ---- the thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            items = [self._q.get()]
+            while True:
+                try:
+                    items.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            self._round(items)
+
+    def _round(self, items: list[tuple]) -> None:
+        pending: dict[str, _Pending] = {}
+        order: list[tuple[str, Any]] = []  # token flushes and finals in arrival order
+        calls, cancel_ids, flushes = [], [], []
+        for it in items:
+            kind = it[0]
+            if kind == "reg":
+                self._next_index[it[1]] = it[3]
+            elif kind == "tok":
+                for job_id, attempt, delta, ids, lp in it[1]:
+                    p = pending.get(job_id)
+                    if p is None or p.attempt != attempt:
+                        p = pending[job_id] = _Pending(attempt)
+                        order.append(("tok", job_id))
+                    p.delta.append(delta)
+                    p.ids.extend(ids)
+                    if lp is not None:
+                        p.lp.extend(lp)
+            elif kind == "fin":
+                order.append(("fin", it[1]))
+            elif kind == "call":
+                calls.append(it[1])
+            elif kind == "cancel?":
+                cancel_ids = it[1]
+            elif kind == "flush":
+                flushes.append(it[1])
+        if order or calls or cancel_ids:
+            self._write(pending, order, calls, cancel_ids)
+        for ev in flushes:
+            ev.set()
+
+    def _write(self, pending: dict[str, _Pending], order: list[tuple[str, Any]],
+               calls: list, cancel_ids: list[str]) -> None:
+        keys, argv = [], [self.s.out_maxlen, self.s.stream_idle_ttl_s]
+        finals: list[Final] = []
+        for kind, obj in order:
+            if kind == "tok":
+                p = pending[obj]
+                idx = self._next_index.get(obj, 0)
+                self._next_index[obj] = idx + 1
+                keys += [self.keys.job(obj), self.keys.out(obj)]
+                argv += [p.attempt, idx, "".join(p.delta), ",".join(map(str, p.ids)),
+                         json.dumps(p.lp) if p.lp else "", self.keys.chan(obj)]
+            else:
+                finals.append(obj)
+        backoff = 0.05
+        while True:
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                if keys:
+                    self._publish(keys=keys, args=argv, client=pipe)
+                for f in finals:
+                    idx = self._next_index.get(f.job_id, 0)
+                    self._finish(keys=[self.keys.job(f.job_id), self.keys.out(f.job_id),
+                                       self.keys.jobs(self.model), self.keys.cancel],
+                                 args=[f.attempt, f.status, f.finish_reason, f.text, f.error,
+                                       f.prompt_tokens, f.completion_tokens, idx,
+                                       self.s.result_ttl_s, f.entry_id, GROUP, f.job_id,
+                                       self.keys.chan(f.job_id), f"{time.time():.6f}",
+                                       self.s.out_maxlen], client=pipe)
+                for fn in calls:
+                    fn(pipe)
+                if cancel_ids:
+                    pipe.smismember(self.keys.cancel, cancel_ids)
+                res = pipe.execute()
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                self.errors += 1
+                log.warning("publish_retry", error=str(e), backoff_s=backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+        self.round_trips += 1
+        self.rounds += 1
+        base = 1 if keys else 0
+        for f, verdict in zip(finals, res[base:base + len(finals)], strict=True):
+            self._next_index.pop(f.job_id, None)
+            if f.on_done is not None:
+                f.on_done(verdict if isinstance(verdict, str) else str(verdict))
+        if cancel_ids:
+            for job_id, hit in zip(cancel_ids, res[-1], strict=True):
+                if hit:
+                    self.cancel_hits.put(job_id)
