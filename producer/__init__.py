@@ -1,1 +1,31 @@
-"""pagedq's client side. Never imports torch (a test asserts it)."""
+"""pagedq's client side. Never imports torch (a test asserts it).
+
+    from producer import Client
+    with Client("redis://localhost:6379/0") as c:
+        job = c.submit("Hello", max_tokens=32)
+        for delta in c.stream_text(job):
+            print(delta, end="", flush=True)
+
+The wire protocol is in docs/protocol.md; keys and schema in producer/keys.py and
+producer/schema.py.
+"""
+from .aio import AsyncClient
+from .client import Client
+from .errors import (
+    EventsTrimmed,
+    InvalidRequest,
+    JobConflict,
+    JobNotFound,
+    Overloaded,
+    PagedqError,
+    ResultTimeout,
+)
+from .keys import Keys
+from .schema import ChatMessage, Event, FinalEvent, JobRecord, JobRequest, Status, TokenEvent, Usage
+from .settings import Settings
+
+__all__ = [
+    "AsyncClient", "ChatMessage", "Client", "Event", "EventsTrimmed", "FinalEvent",
+    "InvalidRequest", "JobConflict", "JobNotFound", "JobRecord", "JobRequest", "Keys",
+    "Overloaded", "PagedqError", "ResultTimeout", "Settings", "Status", "TokenEvent", "Usage",
+]

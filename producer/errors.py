@@ -24,3 +24,8 @@ class Overloaded(PagedqError):
 
 class ResultTimeout(PagedqError, TimeoutError):
     """The job did not reach a terminal state within the timeout."""
+
+
+class EventsTrimmed(PagedqError):
+    """The job's event log no longer holds the requested index (trimmed by its MAXLEN cap)
+    while the job is still running; resume from a later index or wait for the result."""

@@ -17,8 +17,11 @@ end
 if st ~= 'queued' and st ~= 'running' then return {'terminal', st} end
 if st == 'queued' then
   local q = tonumber(redis.call('HGET', KEYS[1], 'qtok') or '0') or 0
-  if q > 0 then redis.call('DECRBY', KEYS[2], q) end
-  redis.call('HSET', KEYS[1], 'started_at', ARGV[2])
+  if q > 0 then
+    -- qtok is zeroed with the decrement so a job is subtracted at most once
+    if tonumber(redis.call('DECRBY', KEYS[2], q)) < 0 then redis.call('SET', KEYS[2], 0) end
+  end
+  redis.call('HSET', KEYS[1], 'started_at', ARGV[2], 'qtok', 0)
 end
 local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
