@@ -31,6 +31,8 @@ class Job:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     text: list[str] = field(default_factory=list)
+    admitted_at: float = 0.0  # time.monotonic() at admission
+    last_token_at: float | None = None
 
 
 def parse_entry(fields: dict[str, str]) -> JobRequest:

@@ -5,8 +5,10 @@ Event ``i`` of a job lives at out-stream id ``0-(i+1)``: XADD of an existing ind
 so no event is ever written twice (see producer/keys.py).
 """
 
-# KEYS: job hash, queued-tokens counter. ARGV: worker id, now, model.
-# -> {'ok', attempt, deadline, was_status} | {'terminal', status}
+# KEYS: job hash, queued-tokens counter. ARGV: worker id, now, model, max_deliveries.
+# -> {'ok', attempt, deadline, was_status} | {'terminal', status} | {'poison', attempts}
+# Poison = started max_deliveries times without a terminal result (each start bumps
+# attempt; jobs that merely sat in a crashed worker's batch of entries are not counted).
 START = r"""
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then
@@ -15,6 +17,8 @@ if not st then
   st = 'queued'
 end
 if st ~= 'queued' and st ~= 'running' then return {'terminal', st} end
+local tried = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0') or 0
+if tried >= tonumber(ARGV[4]) then return {'poison', tostring(tried)} end
 if st == 'queued' then
   local q = tonumber(redis.call('HGET', KEYS[1], 'qtok') or '0') or 0
   if q > 0 then
@@ -30,10 +34,11 @@ return {'ok', attempt, redis.call('HGET', KEYS[1], 'deadline') or '', st}
 
 # One call per publish round for every job with new tokens.
 # KEYS: job1, out1, job2, out2, ...   ARGV: maxlen, idle_ttl, then per job 6 values:
-# attempt, index, delta, ids, logprobs-json-or-'', channel.   -> number of events written
+# attempt, index, delta, ids, logprobs-json-or-'', channel.
+# -> {events written, job ids no longer ours (attempt moved on, or already terminal)}
 PUBLISH = r"""
 local maxlen, ttl, n = ARGV[1], ARGV[2], #KEYS / 2
-local written = 0
+local written, lost = 0, {}
 for j = 0, n - 1 do
   local jk, ok = KEYS[2 * j + 1], KEYS[2 * j + 2]
   local b = 2 + 6 * j
@@ -51,9 +56,11 @@ for j = 0, n - 1 do
       written = written + 1
     end
     redis.call('EXPIRE', ok, ttl)
+  else
+    lost[#lost + 1] = string.match(jk, ':job:(.*)$')
   end
 end
-return written
+return {written, lost}
 """
 
 # KEYS: job hash, out stream, jobs stream, cancel set

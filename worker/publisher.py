@@ -61,11 +61,9 @@ class Publisher:
         self._next_index: dict[str, int] = {}  # owned by the publisher thread
         self._thread = threading.Thread(target=self._run, name="pagedq-publisher", daemon=True)
         self._stop = threading.Event()
-        self._idle = threading.Event()
-        self._idle.set()
         self.cancel_hits: queue.SimpleQueue = queue.SimpleQueue()  # job ids to abort
-        self.round_trips = 0
-        self.rounds = 0
+        self.lost: queue.SimpleQueue = queue.SimpleQueue()  # job ids fenced off by a newer attempt
+        self.rounds = 0  # round trips to Redis
         self.errors = 0
 
     # ---- called from the engine loop --------------------------------------------------
@@ -79,11 +77,9 @@ class Publisher:
     def tokens(self, batch: list[tuple[str, int, str, list[int], Any]]) -> None:
         """(job_id, attempt, delta, token_ids, logprobs) for every job with new tokens."""
         if batch:
-            self._idle.clear()
             self._q.put(("tok", batch))
 
     def final(self, f: Final) -> None:
-        self._idle.clear()
         self._q.put(("fin", f))
 
     def call(self, fn: Callable[[redis.client.Pipeline], None]) -> None:
@@ -181,16 +177,22 @@ class Publisher:
                     fn(pipe)
                 if cancel_ids:
                     pipe.smismember(self.keys.cancel, cancel_ids)
-                res = pipe.execute()
+                res = pipe.execute(raise_on_error=False)
                 break
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 self.errors += 1
                 log.warning("publish_retry", error=str(e), backoff_s=backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
-        self.round_trips += 1
         self.rounds += 1
+        for x in res:
+            if isinstance(x, Exception):
+                self.errors += 1
+                log.error("publish_script_error", error=str(x))
         base = 1 if keys else 0
+        if keys and isinstance(res[0], list):
+            for job_id in res[0][1]:
+                self.lost.put(job_id)
         for f, verdict in zip(finals, res[base:base + len(finals)], strict=True):
             self._next_index.pop(f.job_id, None)
             if f.on_done is not None:

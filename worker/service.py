@@ -1,9 +1,10 @@
 """The worker loop: Redis intake -> engine.step() -> publish -> ack.
 
-One thread runs the engine (this loop); one publisher thread talks to Redis for the
-results. Intake reads only as many entries as the engine can admit, and blocks on Redis
-only while the engine is idle, so a job that arrives mid-generation joins the running
-batch at the next step.
+One thread runs the engine (this loop); the publisher thread writes results. Intake
+reads only as many entries as the engine can admit and blocks on Redis only while the
+engine is idle, so a job arriving mid-generation joins the running batch at the next
+step. Redis outages never stop the engine: intake backs off (capped), the publisher
+retries, the engine keeps its state.
 """
 from __future__ import annotations
 
@@ -18,11 +19,14 @@ from engine.llm_engine import LLMEngine
 from producer.keys import GROUP, Keys
 from producer.schema import parse_event
 from producer.settings import Settings
-from worker import lua
+from worker import faults, liveness, lua
 from worker.jobs import BadEntry, Job, parse_entry, sampling_params
+from worker.metrics import Metrics
 from worker.publisher import Final, Publisher
+from worker.recovery import reclaim
 
 log = structlog.get_logger("pagedq.worker")
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 def default_worker_id() -> str:
@@ -31,22 +35,28 @@ def default_worker_id() -> str:
 
 class Worker:
     def __init__(self, engine: LLMEngine, settings: Settings | None = None, *,
-                 model: str | None = None, worker_id: str | None = None) -> None:
+                 worker_id: str | None = None) -> None:
         self.s = settings or Settings()
         self.engine = engine
-        self.model = model or self.s.model
+        self.model = self.s.model
         self.worker_id = worker_id or default_worker_id()
         self.keys = Keys(self.s.prefix)
         self.r = redis.Redis.from_url(self.s.redis_url, decode_responses=True,
-                                      health_check_interval=10)
+                                      health_check_interval=10, socket_timeout=30)
         self.stream = self.keys.jobs(self.model)
         self.publisher = Publisher(self.r, self.keys, self.s, self.model)
+        self.metrics = Metrics()
         self._start = self.r.register_script(lua.START)
         self._reject = self.r.register_script(lua.REJECT)
-        self._refresh = self.r.register_script(lua.REFRESH)
+        self.refresh_script = self.r.register_script(lua.REFRESH)
         self.jobs: dict[str, Job] = {}
+        self.preemptions_seen = 0
         self._stopping = False
-        self._last_housekeeping = 0.0
+        self._next_beat = self._next_reclaim = self._next_metrics = 0.0
+        self._redis_retry_at = 0.0
+        self._backoff = 0.1
+        self._claim_cursor = "0-0"
+        self.watchdog = liveness.Watchdog(self.s.step_watchdog_s, self.worker_id)
         self.log = log.bind(worker_id=self.worker_id, model=self.model)
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -55,12 +65,15 @@ class Worker:
 
     def run(self, *, until_idle: bool = False) -> None:
         """Serve until ``request_stop()`` (or, with ``until_idle``, until nothing is left)."""
-        self._ensure_group()
+        self._redis_call(self._ensure_group)
+        if self.s.metrics_port:
+            self.log.info("metrics_listening", port=self.metrics.serve(self.s.metrics_port))
         self.publisher.start()
+        self.watchdog.start()
         self.log.info("worker_started", stream=self.stream)
+        own_pending = True  # a restarted worker first re-reads its own pending entries
         drain_until = None
         try:
-            self._intake(own_pending=True)
             while True:
                 self._drain_cancels()
                 if self._stopping:
@@ -70,18 +83,56 @@ class Worker:
                         self.log.info("drain_started", running=len(self.jobs))
                     if not self.jobs or now > drain_until:
                         break
-                else:
-                    self._intake()
+                elif self._redis_call(self._intake, own_pending):
+                    own_pending = False
                 if self.engine.has_unfinished():
-                    self._emit(self.engine.step())
-                    self.publisher.check_cancels(list(self.jobs))
-                elif until_idle and not self._has_backlog():
+                    self._step()
+                elif until_idle and not self._redis_call(self._has_backlog):
                     break
                 self._housekeeping()
             self._release_all()
         finally:
+            self.watchdog.stop()
             self.publisher.stop()
             self.log.info("worker_stopped")
+
+    def _step(self) -> None:
+        self.watchdog.step_begins()
+        faults.on_step()
+        outs = self.engine.step()
+        self.watchdog.step_ends()
+        self._emit(outs)
+        self.publisher.check_cancels(list(self.jobs))
+
+    def _redis_call(self, fn, *args):
+        """Run an intake-side Redis operation; on an outage back off (capped) and report
+        False. The engine keeps stepping meanwhile."""
+        if time.monotonic() < self._redis_retry_at:
+            if not self.engine.has_unfinished():
+                time.sleep(min(0.1, self._redis_retry_at - time.monotonic()))
+            return False
+        try:
+            out = fn(*args)
+            self._backoff = 0.1
+            return True if out is None else out
+        except _REDIS_DOWN as e:
+            self.log.warning("redis_unavailable", error=str(e), retry_in_s=self._backoff)
+            self._redis_retry_at = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, 5.0)
+            return False
+
+    def _ensure_group(self) -> None:
+        try:
+            self.r.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def _has_backlog(self) -> bool:
+        for g in self.r.xinfo_groups(self.stream):
+            if g["name"] == GROUP:
+                return bool(g.get("lag") or g.get("pending"))
+        return False
 
     def _release_all(self) -> None:
         """Hand unfinished jobs back: abort them here and mark their entries long idle so
@@ -93,62 +144,84 @@ class Worker:
             self.engine.abort_request(job_id)
         self.publisher.flush()
         idle_ms = int(self.s.lease_s * 1000) * 10
-        self.r.xclaim(self.stream, GROUP, self.worker_id, 0, ids, idle=idle_ms, justid=True)
+        try:
+            self.r.xclaim(self.stream, GROUP, self.worker_id, 0, ids, idle=idle_ms, justid=True)
+        except _REDIS_DOWN:
+            pass  # the lease expires on its own
         self.log.info("jobs_released", count=len(ids))
         self.jobs.clear()
 
-    def _ensure_group(self) -> None:
-        try:
-            self.r.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-
-    def _has_backlog(self) -> bool:
-        info = self.r.xinfo_groups(self.stream)
-        for g in info:
-            if g["name"] == GROUP:
-                return bool(g.get("lag") or g.get("pending"))
-        return False
-
     # ---- intake -----------------------------------------------------------------------
-    def _intake(self, own_pending: bool = False) -> None:
+    def _room(self) -> int:
         eng = self.engine
-        room = eng.config.max_num_seqs - eng.num_running - eng.num_waiting
-        if room <= 0 or not eng.can_admit():
-            return
-        block = None if (eng.has_unfinished() or own_pending) else 500
-        resp = self.r.xreadgroup(GROUP, self.worker_id, {self.stream: "0" if own_pending else ">"},
-                                 count=room, block=block)
+        if not eng.can_admit():
+            return 0
+        return max(0, eng.config.max_num_seqs - eng.num_running - eng.num_waiting)
+
+    def _intake(self, own_pending: bool = False) -> bool:
+        room = self._room()
+        if room and time.monotonic() >= self._next_reclaim:
+            self._next_reclaim = time.monotonic() + max(0.5, self.s.lease_s / 4)
+            self._claim_cursor, claimed = reclaim(self.r, self.stream, self.worker_id,
+                                                  self.s.lease_s, room, self._claim_cursor)
+            for c in claimed:
+                self.metrics.reclaims.inc()
+                self.log.info("entry_reclaimed", entry_id=c.entry_id, deliveries=c.deliveries)
+                self._admit(c.entry_id, c.fields, c.deliveries)
+            room = self._room()
+        if room <= 0:
+            return False
+        if own_pending:
+            resp = self.r.xreadgroup(GROUP, self.worker_id, {self.stream: "0"}, count=room)
+            entries = resp[0][1] if resp else []
+            if entries:
+                pend = self.r.xpending_range(self.stream, GROUP, min=entries[0][0],
+                                             max=entries[-1][0], count=len(entries),
+                                             consumername=self.worker_id)
+                counts = {p["message_id"]: p["times_delivered"] for p in pend}
+                for entry_id, fields in entries:
+                    self._admit(entry_id, fields, counts.get(entry_id, 1))
+            return len(entries) < room  # done once everything own is re-read
+        block = None if self.engine.has_unfinished() else 500
+        resp = self.r.xreadgroup(GROUP, self.worker_id, {self.stream: ">"}, count=room,
+                                 block=block)
         for _stream, entries in resp or []:
             for entry_id, fields in entries:
-                if fields is None:  # pending entry whose data was trimmed/deleted
-                    self.r.xack(self.stream, GROUP, entry_id)
-                    continue
-                self._admit(entry_id, fields)
+                self._admit(entry_id, fields, 1)
+        return True
 
-    def _admit(self, entry_id: str, fields: dict[str, str]) -> None:
+    def _admit(self, entry_id: str, fields: dict[str, str] | None, deliveries: int) -> None:
+        if not fields:  # its data was deleted from the stream: nothing to run
+            self.r.xack(self.stream, GROUP, entry_id)
+            return
         try:
             req = parse_entry(fields)
         except BadEntry as e:
-            self._reject_entry(entry_id, fields, str(e), e.job_id)
+            self._reject_entry(entry_id, fields, str(e), e.job_id, deliveries)
             return
         job_id = fields["job"]
         jlog = self.log.bind(job_id=job_id)
         res = self._start(keys=[self.keys.job(job_id), self.keys.queued_tokens(self.model)],
-                          args=[self.worker_id, f"{time.time():.6f}", self.model])
+                          args=[self.worker_id, f"{time.time():.6f}", self.model,
+                                self.s.max_deliveries])
+        if res[0] == "poison":
+            self._reject_entry(entry_id, fields, f"poison job: started {res[1]} times without "
+                               f"a result (max_deliveries={self.s.max_deliveries})", job_id,
+                               deliveries)
+            return
         if res[0] != "ok":
             jlog.info("job_skipped", status=res[1])
             self.r.xack(self.stream, GROUP, entry_id)
             return
         attempt, deadline = int(res[1]), float(res[2]) if res[2] else None
-        job = Job(job_id, entry_id, attempt, req, deadline)
+        job = Job(job_id, entry_id, attempt, req, deadline, admitted_at=time.monotonic())
         resumed_ids, next_index = self._replay_events(job)
         self.publisher.register(job_id, attempt, next_index)
         if deadline is not None and time.time() > deadline:
             jlog.info("job_expired")
             self._final(job, "expired", "deadline")
             return
+        faults.on_admit(req.prompt or " ".join(m.content for m in req.messages or []))
         try:
             messages = [m.model_dump() for m in req.messages] if req.messages else None
             job.prompt_tokens = self.engine.add_request(
@@ -163,6 +236,7 @@ class Worker:
             return
         job.completion_tokens = len(resumed_ids)
         self.jobs[job_id] = job
+        self.metrics.prompt_tokens.inc(job.prompt_tokens)
         jlog.info("job_started", attempt=attempt, resumed_tokens=len(resumed_ids))
 
     def _replay_events(self, job: Job) -> tuple[list[int], int]:
@@ -174,41 +248,50 @@ class Worker:
         for _eid, f in self.r.xrange(self.keys.out(job.job_id)):
             ev = parse_event(f)
             if ev.index != n or ev.type != "token":
-                break  # trimmed or unexpected: resume from what is contiguous
+                break
             ids.extend(ev.token_ids)
             job.text.append(ev.delta)
             n += 1
         return ids, n
 
-    def _reject_entry(self, entry_id: str, fields: dict, reason: str, job_id: str) -> None:
+    def _reject_entry(self, entry_id: str, fields: dict, reason: str, job_id: str,
+                      deliveries: int) -> None:
         self.log.warning("entry_rejected", entry_id=entry_id, job_id=job_id, reason=reason)
-        jk = self.keys.job(job_id) if job_id else self.keys.job("_")
-        ok = self.keys.out(job_id) if job_id else self.keys.out("_")
         body = str(fields.get("body", fields))[:10000]
-        self._reject(keys=[self.stream, self.keys.dlq(self.model), jk, ok],
+        self._reject(keys=[self.stream, self.keys.dlq(self.model), self.keys.job(job_id or "_"),
+                           self.keys.out(job_id or "_")],
                      args=[GROUP, entry_id, reason, job_id, body, f"{time.time():.6f}",
-                           self.s.result_ttl_s, self.keys.chan(job_id or "_"), 1])
+                           self.s.result_ttl_s, self.keys.chan(job_id or "_"), deliveries])
+        self.metrics.finished.labels("failed").inc()
 
     # ---- results ----------------------------------------------------------------------
     def _emit(self, outs: list) -> None:
-        batch = []
+        batch, now = [], time.monotonic()
         for o in outs:
             job = self.jobs.get(o.request_id)
             if job is None:
                 continue
+            if job.last_token_at is None:
+                self.metrics.ttft.observe(now - job.admitted_at)
+            else:
+                self.metrics.itl.observe(now - job.last_token_at)
+            job.last_token_at = now
             job.text.append(o.delta)
             job.completion_tokens = o.num_output_tokens
             batch.append((job.job_id, job.attempt, o.delta, o.new_token_ids, o.logprobs))
+        self.metrics.generation_tokens.inc(len(batch))
         self.publisher.tokens(batch)
         for o in outs:
             if o.finished and o.request_id in self.jobs:
-                self._final(self.jobs.pop(o.request_id), "finished", o.finish_reason or "stop")
+                self._final(self.jobs[o.request_id], "finished", o.finish_reason or "stop")
 
     def _final(self, job: Job, status: str, reason: str, error: str = "") -> None:
         self.jobs.pop(job.job_id, None)
-        jlog = self.log.bind(job_id=job.job_id)
+        jlog, m = self.log.bind(job_id=job.job_id), self.metrics
 
         def done(verdict: str) -> None:
+            m.finished.labels(status).inc()
+            m.e2e.observe(time.monotonic() - job.admitted_at)
             jlog.info("job_done", status=status, finish_reason=reason, verdict=verdict,
                       completion_tokens=job.completion_tokens)
 
@@ -217,39 +300,26 @@ class Worker:
                                    job.completion_tokens, done))
 
     def _drain_cancels(self) -> None:
-        while not self.publisher.cancel_hits.empty():
-            job_id = self.publisher.cancel_hits.get()
-            job = self.jobs.get(job_id)
+        while not self.publisher.lost.empty():  # another worker took it over: stop, no result
+            job = self.jobs.pop(self.publisher.lost.get(), None)
             if job is not None:
-                self.engine.abort_request(job_id)
+                self.engine.abort_request(job.job_id)
+                self.log.warning("job_lost", job_id=job.job_id, attempt=job.attempt)
+        while not self.publisher.cancel_hits.empty():
+            job = self.jobs.get(self.publisher.cancel_hits.get())
+            if job is not None:
+                self.engine.abort_request(job.job_id)
                 self._final(job, "cancelled", "cancelled")
         now = time.time()
         for job in [j for j in self.jobs.values() if j.deadline is not None and now > j.deadline]:
             self.engine.abort_request(job.job_id)
             self._final(job, "finished", "deadline")
 
-    # ---- liveness ---------------------------------------------------------------------
     def _housekeeping(self) -> None:
-        """Heartbeat and lease refresh, queued from the engine loop itself: a wedged loop
-        stops both, so its jobs become claimable by other workers."""
-        now = time.time()
-        if now - self._last_housekeeping < 1.0:
-            return
-        self._last_housekeeping = now
-        wk, ttl = self.keys.worker(self.worker_id), int(self.s.heartbeat_ttl_s) + 1
-        state = {"model": self.model, "running": len(self.jobs), "at": f"{now:.3f}",
-                 "kv_usage": f"{self.engine.kv_cache_usage:.4f}"}
-        owned = list(self.jobs.values())
-        refresh_keys = [self.stream] + [self.keys.job(j.job_id) for j in owned]
-        refresh_args: list = [GROUP, self.worker_id]
-        for j in owned:
-            refresh_args += [j.entry_id, j.attempt]
-
-        def beat(pipe) -> None:
-            pipe.hset(wk, mapping=state)
-            pipe.expire(wk, ttl)
-            pipe.zadd(self.keys.workers, {self.worker_id: now})
-            if owned:
-                self._refresh(keys=refresh_keys, args=refresh_args, client=pipe)
-
-        self.publisher.call(beat)
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self._next_beat = now + min(1.0, self.s.heartbeat_ttl_s / 3)
+            liveness.beat(self)
+        if self.s.metrics_port and now >= self._next_metrics:
+            self._next_metrics = now + 5.0
+            liveness.read_queue_metrics(self)

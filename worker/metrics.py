@@ -1,0 +1,39 @@
+"""Prometheus metrics, vLLM's names under the `pagedq:` prefix, plus queue metrics.
+One registry per Worker (several workers may live in one test process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LAT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = reg = CollectorRegistry()
+        g = lambda n, d: Gauge(f"pagedq:{n}", d, registry=reg)
+        c = lambda n, d: Counter(f"pagedq:{n}", d, registry=reg)
+        self.running = g("num_requests_running", "Requests in the running batch")
+        self.waiting = g("num_requests_waiting", "Requests admitted but waiting in the engine")
+        self.kv_usage = g("kv_cache_usage_perc", "Share of KV-cache blocks in use (0-1)")
+        self.stream_length = g("stream_length", "Entries in the jobs stream")
+        self.pending = g("pending_count", "Entries delivered but not acknowledged")
+        self.oldest_pending = g("oldest_pending_age_seconds", "Idle time of the oldest pending entry")
+        self.dlq_size = g("dlq_size", "Entries in the dead-letter stream")
+        self.ttft = Histogram("pagedq:time_to_first_token_seconds", "Admission to first token",
+                              buckets=_LAT, registry=reg)
+        self.itl = Histogram("pagedq:inter_token_latency_seconds", "Between tokens of one job",
+                             buckets=_ITL, registry=reg)
+        self.e2e = Histogram("pagedq:e2e_request_latency_seconds", "Submission to final result",
+                             buckets=_LAT, registry=reg)
+        self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = c("generation_tokens", "Tokens generated")
+        self.preemptions = c("num_preemptions", "Preemptions by recompute")
+        self.reclaims = c("reclaims", "Entries reclaimed from dead or stale workers")
+        self.finished = Counter("pagedq:request_success", "Jobs ended, by status",
+                                ["status"], registry=reg)
+
+    def serve(self, port: int) -> int:
+        """Expose /metrics on ``port`` (0 = pick a free one); returns the port."""
+        server, _thread = start_http_server(port, registry=self.registry)
+        return server.server_port

@@ -1,0 +1,51 @@
+"""Taking over the jobs of dead or wedged workers.
+
+An entry idle past the lease belongs to a worker that stopped refreshing it (its engine
+loop died or wedged: leases are refreshed from that loop). XAUTOCLAIM moves it to us;
+the START script bumps the job's attempt, which fences the old owner. An entry
+delivered more than max_deliveries times is poison: dead-lettered, its job failed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from producer.keys import GROUP
+
+
+@dataclass(slots=True)
+class Claimed:
+    entry_id: str
+    fields: dict[str, str] | None  # None: the entry was deleted from the stream
+    deliveries: int
+
+
+def reclaim(r: redis.Redis, stream: str, consumer: str, lease_s: float, count: int,
+            cursor: str = "0-0") -> tuple[str, list[Claimed]]:
+    """Claim up to ``count`` entries idle longer than the lease. Returns (next cursor,
+    claimed entries with their delivery counts, including this delivery)."""
+    if count <= 0:
+        return cursor, []
+    res = r.xautoclaim(stream, GROUP, consumer, min_idle_time=int(lease_s * 1000),
+                       start_id=cursor, count=count)
+    next_cursor, entries = res[0], res[1]
+    deleted = res[2] if len(res) > 2 else []
+    if not entries and not deleted:
+        return next_cursor, []
+    pipe = r.pipeline(transaction=False)
+    for entry_id, _f in entries:
+        pipe.xpending_range(stream, GROUP, min=entry_id, max=entry_id, count=1)
+    counts = pipe.execute()
+    out = []
+    for (entry_id, fields), pend in zip(entries, counts, strict=True):
+        n = pend[0]["times_delivered"] if pend else 1
+        out.append(Claimed(entry_id, fields, n))
+    for entry_id in deleted:
+        out.append(Claimed(entry_id, None, 0))
+    return next_cursor, out
+
+
+def oldest_pending_age_s(r: redis.Redis, stream: str) -> float:
+    rows = r.xpending_range(stream, GROUP, min="-", max="+", count=1)
+    return rows[0]["time_since_delivered"] / 1000.0 if rows else 0.0
