@@ -6,6 +6,8 @@ import redis
 
 from worker.redis_server import RedisServer
 
+pytest_plugins = ["tests.model_fixtures"]
+
 
 @pytest.fixture
 def redis_server():

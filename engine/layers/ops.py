@@ -1,0 +1,80 @@
+"""Kernel dispatch: one module-level switch picks the Triton kernels or the reference twins.
+
+Triton kernels run only when the switch is on AND the tensor is on CUDA; everything else
+(CPU, the switch off) runs kernels/reference.py. Triton modules are imported lazily on
+first use, so the CPU path never imports triton. The switch is process-wide: the model
+runner sets it once from EngineConfig.use_triton.
+Signatures are those of kernels/reference.py (the Triton wrappers share them).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+from kernels import reference
+
+# op name -> Triton module under kernels/
+TRITON_MODULES = {
+    "store_kvcache": "kernels.store_kvcache",
+    "paged_decode_attention": "kernels.decode_attention",
+    "paged_attention": "kernels.prefill_attention",
+    "rms_norm": "kernels.norm",
+    "fused_add_rms_norm": "kernels.norm",
+    "apply_rotary": "kernels.rotary",
+}
+
+_use_triton = False
+_triton_ops: dict[str, object] = {}
+
+
+def set_use_triton(flag: bool) -> None:
+    global _use_triton
+    _use_triton = bool(flag)
+
+
+def use_triton() -> bool:
+    return _use_triton
+
+
+def triton_available() -> bool:
+    """True when triton and every Triton kernel module can be found (nothing imported)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return all(importlib.util.find_spec(m) is not None for m in set(TRITON_MODULES.values()))
+
+
+def _op(name: str, x: torch.Tensor):
+    if not (_use_triton and x.is_cuda):
+        return getattr(reference, name)
+    fn = _triton_ops.get(name)
+    if fn is None:
+        fn = getattr(importlib.import_module(TRITON_MODULES[name]), name)
+        _triton_ops[name] = fn
+    return fn
+
+
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    _op("store_kvcache", key)(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale):
+    return _op("paged_attention", q)(q, k_cache, v_cache, block_tables, seq_lens,
+                                     cu_seqlens_q, scale)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    return _op("paged_decode_attention", q)(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def rms_norm(x, weight, eps):
+    return _op("rms_norm", x)(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    return _op("fused_add_rms_norm", x)(x, residual, weight, eps)
+
+
+def apply_rotary(q, k, positions, cos_sin_cache):
+    return _op("apply_rotary", q)(q, k, positions, cos_sin_cache)

@@ -1,0 +1,277 @@
+"""The model runner owns everything on the device: weights, the paged KV cache, input
+preparation and the forward pass of one ScheduledBatch.
+
+KV cache: one tensor [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim];
+each attention layer holds views of its k and v slices. Slot of token position p of a
+sequence = block_table[p // block_size] * block_size + p % block_size.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from engine.batch import ScheduledBatch
+from engine.config import EngineConfig
+from engine.layers import ops
+from engine.layers.attention import AttentionMetadata
+from engine.loader import load_model_files, resolve_model
+from engine.models import get_model_class
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return dev
+
+
+def _eos_ids(hf_config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for v in (getattr(hf_config, "eos_token_id", None),
+              getattr(hf_config, "pagedq_generation_eos", None),
+              getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, list | tuple):
+            ids.update(int(x) for x in v)
+    return ids
+
+
+class ModelRunner:
+    def __init__(self, model_name_or_path: str, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        config.validate()
+        self.config = config
+        self.block_size = config.block_size
+        self.device = _pick_device(config.device)
+        self.dtype = (_DTYPES[config.dtype] if config.dtype != "auto" else
+                      torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.kv_cache_dtype = self.dtype
+        if config.kv_cache_dtype != "auto":
+            if self.device.type != "cuda":
+                raise ValueError("kv_cache_dtype 'fp8' needs a CUDA device")
+            self.kv_cache_dtype = torch.float8_e4m3fn
+
+        self.source = resolve_model(model_name_or_path)
+        hf_config, weights, self.tokenizer = load_model_files(self.source)
+        self.hf_config = hf_config
+        model_cls = get_model_class(hf_config)
+        self.max_model_len = self._max_model_len(model_cls)
+        self.vocab_size = int(hf_config.vocab_size)
+        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
+
+        with torch.device("meta"):  # no random init: parameters are filled by load_weights
+            model = model_cls(hf_config, max_position=self.max_model_len)
+        model = model.to(self.dtype).to_empty(device=self.device)
+        model.load_weights(weights)
+        self.model = model.eval()
+
+        use_triton = config.use_triton
+        if use_triton is None:
+            use_triton = self.device.type == "cuda" and ops.triton_available()
+        ops.set_use_triton(use_triton)
+
+        self.kv_cache: torch.Tensor | None = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded decode batch size -> graph
+        self.num_kv_blocks = config.num_kv_blocks or self._profile_num_blocks()
+        self._allocate_kv_cache(self.num_kv_blocks)
+        if self.device.type == "cuda" and not config.enforce_eager and ops.use_triton():
+            self.capture_cudagraphs()
+        self.load_time_s = time.perf_counter() - t0
+
+    # ---- setup -------------------------------------------------------------------------
+    def _max_model_len(self, model_cls) -> int:
+        hf = self.hf_config
+        limit = getattr(hf, "max_position_embeddings", None)
+        window = model_cls.sliding_window(hf)
+        if window:  # we attend to the full context: stay within the trained window
+            limit = min(limit, window) if limit else window
+        asked = self.config.max_model_len
+        if asked is None:
+            if limit is None:
+                raise ValueError("the model config has no max_position_embeddings: "
+                                 "set EngineConfig.max_model_len")
+            return int(limit)
+        if limit is not None and asked > limit:
+            raise ValueError(f"max_model_len {asked} exceeds the model's context length {limit}")
+        return int(asked)
+
+    def block_bytes(self) -> int:
+        """Bytes of one KV block over all layers, K and V."""
+        m = self.model
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        return 2 * len(m.attention_layers()) * self.block_size * m.num_kv_heads * m.head_dim * elem
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        m = self.model
+        layers = m.attention_layers()
+        self.kv_cache = None
+        # zeros, not empty: a kernel that multiplies masked-out garbage by 0 must not see NaN
+        self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size, m.num_kv_heads,
+                                    m.head_dim, dtype=self.kv_cache_dtype, device=self.device)
+        for i, attn in enumerate(layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def _profile_num_blocks(self) -> int:
+        """CPU: kv_cache_memory_gb. CUDA: run one warm-up step of max_num_batched_tokens with a
+        just-large-enough temporary cache, then give the KV cache what is left of
+        total * gpu_memory_utilization after other processes, the CUDA context, the weights
+        and the warm-up's peak activations."""
+        per_block = self.block_bytes()
+        if self.device.type != "cuda":
+            return max(1, int(self.config.kv_cache_memory_gb * 2**30) // per_block)
+        cfg, bs = self.config, self.block_size
+        chunk = min(self.max_model_len, cfg.max_num_batched_tokens)
+        lens = [chunk] * (cfg.max_num_batched_tokens // chunk)
+        if cfg.max_num_batched_tokens % chunk:
+            lens.append(cfg.max_num_batched_tokens % chunk)
+        lens = lens[:cfg.max_num_seqs]
+        tmp_blocks = sum(math.ceil(n / bs) for n in lens)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._allocate_kv_cache(tmp_blocks)
+        batch, next_block = ScheduledBatch(), 0
+        for i, n in enumerate(lens):
+            seq = Sequence(f"warmup-{i}", [0] * n, SamplingParams())
+            seq.block_table = list(range(next_block, next_block + math.ceil(n / bs)))
+            next_block += len(seq.block_table)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+        self.execute(batch)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - tmp_blocks * per_block
+        free, total = torch.cuda.mem_get_info(self.device)
+        not_ours = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * cfg.gpu_memory_utilization - not_ours - peak
+        self.kv_cache = None
+        for attn in self.model.attention_layers():
+            attn.k_cache = attn.v_cache = torch.tensor([])
+        torch.cuda.empty_cache()
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB after "
+                f"weights and a {cfg.max_num_batched_tokens}-token warm-up): raise "
+                f"gpu_memory_utilization or lower max_num_batched_tokens")
+        return blocks
+
+    # ---- one step ----------------------------------------------------------------------
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device,
+                                                                       non_blocking=True)
+        return torch.tensor(data, dtype=dtype)
+
+    def prepare(self, batch: ScheduledBatch):
+        """(input_ids [T], positions [T], AttentionMetadata, sample_rows [N]) for a batch.
+        Built from Python lists, one tensor creation each."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        cu = [0]
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            c, bt = seq.num_computed_tokens, seq.block_table
+            end = c + n
+            if n < 1 or end > seq.num_tokens:
+                raise ValueError(f"{seq.request_id}: cannot compute tokens [{c}, {end}) of "
+                                 f"{seq.num_tokens}")
+            if end > self.max_model_len:
+                raise ValueError(f"{seq.request_id}: length {end} > max_model_len "
+                                 f"{self.max_model_len}")
+            if len(bt) * bs < end:
+                raise ValueError(f"{seq.request_id}: block table covers {len(bt) * bs} "
+                                 f"tokens, needs {end}")
+            ids.extend(seq.token_ids[c:end])
+            pos.extend(range(c, end))
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(c, end))
+            seq_lens.append(end)
+            cu.append(cu[-1] + n)
+            tables.append(bt[:(end + bs - 1) // bs])
+            if end == seq.num_tokens:
+                sample_rows.append(cu[-1] - 1)
+        width = max(len(t) for t in tables)
+        tables = [t + [-1] * (width - len(t)) for t in tables]
+        positions = self._tensor(pos, torch.int64)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._tensor(tables, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            cu_seqlens_q=self._tensor(cu, torch.int32),
+            max_seqlen_q=max(batch.num_new_tokens),
+            is_decode_only=cu[-1] == len(seq_lens),
+            positions=positions,
+        )
+        return self._tensor(ids, torch.int64), positions, meta, self._tensor(sample_rows,
+                                                                             torch.int64)
+
+    @torch.inference_mode()
+    def capture_cudagraphs(self) -> None:
+        """One CUDA graph per padded decode batch size (1, 2, 4, 8, 16, 32, ... up to
+        max_num_seqs), sharing one memory pool and one set of static input buffers. Needs
+        the Triton kernels (the reference twins sync with the host). Padding rows: slot -1
+        (no KV write), seq_len 1 over block 0 (valid memory; their output is dropped)."""
+        n_max, width = self.config.max_num_seqs, -(-self.max_model_len // self.block_size)
+        sizes = sorted({min(n_max, x) for x in [1, 2, 4, 8] + list(range(16, n_max + 16, 16))})
+        dev, i64, i32 = self.device, torch.int64, torch.int32
+        st = self._static = {
+            "ids": torch.zeros(n_max, dtype=i64, device=dev),
+            "pos": torch.zeros(n_max, dtype=i64, device=dev),
+            "slots": torch.full((n_max,), -1, dtype=i64, device=dev),
+            "tables": torch.zeros(n_max, width, dtype=i32, device=dev),
+            "lens": torch.ones(n_max, dtype=i32, device=dev),
+            "cu": torch.arange(n_max + 1, dtype=i32, device=dev),
+            "out": torch.zeros(n_max, self.hf_config.hidden_size, dtype=self.dtype, device=dev),
+        }
+        pool = None
+        for n in reversed(sizes):  # largest first: smaller graphs reuse its pool
+            meta = AttentionMetadata(st["slots"][:n], st["tables"][:n], st["lens"][:n],
+                                     st["cu"][:n + 1], 1, True, st["pos"][:n])
+            self.model(st["ids"][:n], st["pos"][:n], meta)  # compile/warm the kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                st["out"][:n] = self.model(st["ids"][:n], st["pos"][:n], meta)
+            pool = graph.pool()
+            self.graphs[n] = graph
+        torch.cuda.synchronize(dev)
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, H]: a captured CUDA graph for decode-only batches that fit one,
+        else the eager model."""
+        n = input_ids.shape[0]
+        if not (meta.is_decode_only and self.graphs and n <= self.config.max_num_seqs):
+            return self.model(input_ids, positions, meta)
+        padded = min(b for b in self.graphs if b >= n)
+        st, w = self._static, meta.block_tables.shape[1]
+        st["ids"][:n].copy_(input_ids)
+        st["pos"][:n].copy_(positions)
+        st["slots"][:n].copy_(meta.slot_mapping)
+        st["slots"][n:padded].fill_(-1)
+        st["lens"][:n].copy_(meta.seq_lens)
+        st["lens"][n:padded].fill_(1)
+        st["tables"][:n, :w].copy_(meta.block_tables)
+        st["tables"][n:padded, 0].fill_(0)
+        self.graphs[padded].replay()
+        return st["out"][:n]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """float32 logits [num_sampling_seqs, vocab], for the seqs where batch.samples(i),
+        in batch order. Does not advance num_computed_tokens (the engine does)."""
+        if batch.is_empty:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        input_ids, positions, meta, sample_rows = self.prepare(batch)
+        hidden = self._run_model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[sample_rows])
