@@ -1,0 +1,212 @@
+"""Continuous-batching scheduler (vLLM v1 style: one invariant, no prefill/decode phases).
+
+Public API:
+    Scheduler(config: EngineConfig, block_manager: BlockManager)
+    .add(seq) -> None                        # ValueError if the prompt can never fit / dup id
+    .abort(request_id: str) -> Sequence | None
+    .schedule() -> ScheduledBatch
+    .update_after_step(batch) -> list[Sequence]   # advances computed; returns seqs that sample
+    .finish(seq, reason: str) -> None
+    .fits_ever(seq) -> bool, .has_unfinished() -> bool, .can_admit() -> bool
+    .num_running, .num_waiting, .num_preemptions_total, .running, .waiting
+    .finished_in_schedule: list[Sequence]    # finished by schedule() itself (KV cache overflow)
+
+One step: the token budget (max_num_batched_tokens) goes first to running requests in
+arrival order, each getting min(num_tokens - num_computed_tokens, budget left) tokens
+(chunked prefill and decode alike). If blocks run out, the victim - lowest priority, then
+latest arrival, among running requests, maybe the requester itself - is preempted by
+recompute and put back in the waiting queue; a step that preempted admits nobody. Otherwise
+waiting requests are admitted in (-priority, arrival) order while budget, seats
+(max_num_seqs) and blocks allow; the first one that does not fit stops admission
+(head-of-line, so a big request is never starved by small ones).
+
+Call order per step: schedule() -> run the model -> update_after_step() -> append the
+sampled tokens -> finish()/abort(). finish/abort must not run between schedule() and
+update_after_step(): the batch still refers to the sequences' block tables.
+"""
+from __future__ import annotations
+
+from bisect import insort_left, insort_right
+
+from engine.batch import ScheduledBatch
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import SeqStatus, Sequence
+
+
+def _priority_key(s: Sequence) -> tuple[int, int]:
+    """Waiting queue order (ascending); max() over running = the preemption victim."""
+    return (-s.priority, s.arrival)
+
+
+def _arrival_key(s: Sequence) -> int:
+    return s.arrival
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        if block_manager.block_size != config.block_size:
+            raise ValueError(f"block manager block_size {block_manager.block_size} != "
+                             f"config.block_size {config.block_size}")
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.config = config
+        self.bm = block_manager
+        self.waiting: list[Sequence] = []  # sorted by (-priority, arrival)
+        self.running: list[Sequence] = []  # sorted by arrival
+        self.requests: dict[str, Sequence] = {}  # every unfinished request
+        self.num_preemptions_total = 0
+        self.finished_in_schedule: list[Sequence] = []
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def fits_ever(self, seq: Sequence) -> bool:
+        """Whether the whole KV cache can hold seq's tokens plus one more."""
+        return seq.num_tokens + 1 <= self.bm.capacity_tokens
+
+    def can_admit(self) -> bool:
+        """A new request could likely be admitted: a seat under max_num_seqs left after the
+        queue, and free blocks beyond what the waiting requests need."""
+        if len(self.running) + len(self.waiting) >= self.config.max_num_seqs:
+            return False
+        bs = self.bm.block_size
+        needed = sum(-(-(s.num_tokens + 1) // bs) for s in self.waiting)
+        return self.bm.num_free_blocks > needed
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request {seq.request_id!r} is already scheduled")
+        if seq.is_finished or seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"request {seq.request_id!r} must be new (no blocks, none computed)")
+        if not seq.token_ids:
+            raise ValueError(f"request {seq.request_id!r} has an empty prompt")
+        if not self.fits_ever(seq):
+            raise ValueError(
+                f"request {seq.request_id!r}: {seq.num_tokens} prompt tokens cannot fit in the KV "
+                f"cache ({self.bm.num_blocks} blocks x {self.bm.block_size} tokens = "
+                f"{self.bm.capacity_tokens} tokens, one is kept for the first output token)")
+        seq.status = SeqStatus.WAITING
+        self.requests[seq.request_id] = seq
+        insort_right(self.waiting, seq, key=_priority_key)
+
+    def _remove(self, seq: Sequence, reason: str) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.requests.pop(seq.request_id, None)
+        self.bm.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Free the request's blocks at once; None if unknown or already finished."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        self._remove(seq, "abort")
+        return seq
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Idempotent: finishing an already finished (e.g. aborted) request does nothing."""
+        if seq.is_finished:
+            return
+        if self.requests.get(seq.request_id) is not seq:
+            raise ValueError(f"request {seq.request_id!r} is not in this scheduler")
+        self._remove(seq, reason)
+
+    def _preempt(self, victim: Sequence, batch: ScheduledBatch) -> int:
+        """Recompute-preempt victim; returns the budget it gave back if already scheduled."""
+        refund = 0
+        if victim in batch.seqs:
+            j = batch.seqs.index(victim)
+            del batch.seqs[j]
+            refund = batch.num_new_tokens.pop(j)
+        self.running.remove(victim)
+        self.bm.free(victim)  # before resetting computed: uncaches blocks never written
+        victim.num_computed_tokens = 0
+        victim.status = SeqStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions_total += 1
+        insort_left(self.waiting, victim, key=_priority_key)  # ahead of later arrivals
+        batch.preempted.append(victim)
+        return refund
+
+    def _drop_overflow(self, seq: Sequence) -> bool:
+        """A request grown past the whole KV cache can never be computed again: finish it
+        with "length" (reported in finished_in_schedule) instead of blocking the queue."""
+        if seq.num_tokens <= self.bm.capacity_tokens:
+            return False
+        self._remove(seq, "length")
+        self.finished_in_schedule.append(seq)
+        return True
+
+    def schedule(self) -> ScheduledBatch:
+        cfg, bm = self.config, self.bm
+        batch = ScheduledBatch()
+        self.finished_in_schedule = []
+        budget = cfg.max_num_batched_tokens
+
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if self._drop_overflow(seq):
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0 or (not cfg.enable_chunked_prefill and
+                          n < seq.num_tokens - seq.num_computed_tokens):
+                continue
+            while not bm.allocate_slots(seq, n):
+                victim = max(self.running, key=_priority_key)
+                budget += self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+
+        while not batch.preempted and self.waiting and budget > 0 and \
+                len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if self._drop_overflow(seq):
+                continue
+            computed, num_hit = bm.get_computed_blocks(seq)
+            n = seq.num_tokens - num_hit
+            if n > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                n = budget
+            if not bm.allocate_slots(seq, n, computed):
+                break
+            self.waiting.pop(0)
+            seq.status = SeqStatus.RUNNING
+            insort_right(self.running, seq, key=_arrival_key)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def update_after_step(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Advance num_computed_tokens by what ran; returns the sequences that sample now
+        (computed == num_tokens), i.e. those for which batch.samples(i) was True."""
+        sampling = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens > seq.num_tokens:
+                raise RuntimeError(f"{seq.request_id}: computed {seq.num_computed_tokens} "
+                                   f"> {seq.num_tokens} tokens")
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampling.append(seq)
+        return sampling
