@@ -6,6 +6,7 @@ added and aborted between any two steps; a request added now joins the next step
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,9 +86,12 @@ class LLMEngine:
         n = params.n
         for k in range(n):
             rid = request_id if n == 1 else f"{request_id}#{k}"
-            seq = Sequence(rid, ids, params, priority=priority, token_ids=ids + resumed)
+            p = params
+            if n > 1 and params.seed is not None:  # sample k draws its own stream
+                p = dataclasses.replace(params, seed=params.seed + k)
+            seq = Sequence(rid, ids, p, priority=priority, token_ids=ids + resumed)
             seq.num_resumed_output = len(resumed)
-            stream = OutputStream(self.tokenizer, params, ids)
+            stream = OutputStream(self.tokenizer, p, ids)
             for t in resumed:  # replay, discarding text the earlier attempt already emitted
                 stream.push(t)
             self.scheduler.add(seq)
@@ -123,19 +127,25 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
+        outs = [self._overflowed(s) for s in self.scheduler.finished_in_schedule]
         if batch.is_empty:
-            return []
+            return outs
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         logits = self.runner.execute(batch)
         self.scheduler.update_after_step(batch)
         if not sampling:
-            return []
+            return outs
         sampled = self.sampler(logits, sampling)
-        outs: list[StepOutput] = []
         for seq, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
             live = self._live[seq.request_id]
             outs.append(self._advance(live, tok, lp))
         return outs
+
+    def _overflowed(self, seq: Sequence) -> StepOutput:
+        """A request the scheduler ended because it outgrew the whole KV cache."""
+        live = self._live.pop(seq.request_id)
+        return StepOutput(seq.request_id, [], live.stream.finish(), True, "length",
+                          seq.num_prompt_tokens, seq.num_output_tokens)
 
     def _advance(self, live: _Live, tok: int, lp: Any) -> StepOutput:
         seq, p = live.seq, live.seq.params
@@ -183,7 +193,9 @@ class LLMEngine:
         bar = _progress(len(state), use_tqdm)
         while self.has_unfinished():
             for o in self.step():
-                st = state[o.request_id]
+                st = state.get(o.request_id)
+                if st is None:  # a request added through add_request, not ours
+                    continue
                 st["text"].append(o.delta)
                 st["ids"].extend(o.new_token_ids)
                 if o.logprobs:
