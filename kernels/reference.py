@@ -47,8 +47,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k = k.repeat_interleave(group, dim=0)
         v = v.repeat_interleave(group, dim=0)
         scores = (qb @ k.transpose(1, 2)) * scale  # [Hq, qlen, L]
-        qpos = torch.arange(length - (e - s), length).unsqueeze(1)
-        kpos = torch.arange(length).unsqueeze(0)
+        qpos = torch.arange(length - (e - s), length, device=q.device).unsqueeze(1)
+        kpos = torch.arange(length, device=q.device).unsqueeze(0)
         scores.masked_fill_(kpos > qpos, float("-inf"))
         out[s:e] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(q.dtype)
     return out

@@ -1,0 +1,237 @@
+"""Paged decode attention (one query token per sequence), GQA-aware, split-K.
+
+Grid (Hkv, B, S): program (h, b, s) holds the G = Hq // Hkv query heads of KV head h as
+the rows of one [G_PAD, D] tile, so each KV block is read from memory once per group.
+Split s covers tokens [s*chunk, (s+1)*chunk) of sequence b, chunk = ceil(L_b / S) rounded
+up to BLOCK_N (per sequence, from its own length, so splits are balanced on device with no
+host sync). With S == 1 the program normalises and writes `out` directly; otherwise it
+writes a normalised partial [B, Hq, S, D] fp32 plus its log2-sum-exp [B, Hq, S], and
+`_reduce_kernel` (grid (B, Hq)) merges the splits.
+Scores live in the log2 domain: q.k is multiplied by scale * log2(e).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a fully masked row never makes inf - inf
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+                   qk_scale, v_scale,
+                   s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb, s_ob, s_oh,
+                   splits,
+                   HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                   D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SINGLE: tl.constexpr, F32_DOT: tl.constexpr):
+    kvh = tl.program_id(0)  # fastest: the Hkv programs of a sequence read each block together
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * G + offs_g
+    gmask = offs_g < G
+    q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :],
+                mask=gmask[:, None], other=0.0)
+
+    m_i = tl.full([G_PAD], _NEG, tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * s_btb
+    k_base = k_ptr + kvh * s_kh
+    v_base = v_ptr + kvh * s_vh
+    for start in tl.range(lo, hi, BLOCK_N):
+        tok = start + offs_n
+        tmask = tok < hi
+        # block id of every token of the tile; only tokens < seq_len are ever dereferenced
+        blk = tl.load(bt_row + tok // BS, mask=tmask, other=0).to(tl.int64)
+        slot = tok % BS
+        k = tl.load(k_base + blk[:, None] * s_kb + slot[:, None] * s_kt + offs_d[None, :],
+                    mask=tmask[:, None], other=0.0)
+        if F32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = tl.where(tmask[None, :], s * qk_scale, _NEG)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + blk[:, None] * s_vb + slot[:, None] * s_vt + offs_d[None, :],
+                    mask=tmask[:, None], other=0.0)
+        if F32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # empty range (L_b == 0 or an idle split): 0; v_scale folded in here, k_scale in qk_scale
+    o = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
+    if SINGLE:
+        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    else:
+        row = (b * HQ + heads) * splits + split
+        tl.store(part_ptr + row[:, None] * D + offs_d[None, :], o, mask=gmask[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + row, lse, mask=gmask)
+
+
+@triton.jit
+def _reduce_kernel(part_ptr, lse_ptr, out_ptr, s_ob, s_oh, splits,
+                   HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D)
+    row = (b * HQ + h) * splits
+    smask = offs_s < splits
+    lse = tl.load(lse_ptr + row + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    part = tl.load(part_ptr + (row + offs_s)[:, None] * D + offs_d[None, :],
+                   mask=smask[:, None], other=0.0)
+    den = tl.sum(w, 0)
+    o = tl.sum(part * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+_CACHE = _FLOAT + (torch.float8_e4m3fn,)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else 0)
+    return 16  # interpreter on CPU: small, so that tests exercise the split path
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_ctx: int, num_sms: int,
+                      block_n: int) -> int:
+    """Splits per sequence so that all B * Hkv * S programs are resident in ONE wave.
+
+    The default tiles (D 128, BLOCK_N 64, 4 warps) take 127 registers (ptxas, sm_90): 4
+    programs fit an SM; 3 is assumed, so a wave never spills into a mostly idle second one.
+    One wave of >= 100 programs keeps far more than the ~4 MB needed in flight (each has a
+    32 KiB K+V tile outstanding), so extra splits would only add the reduction's cost. No
+    split is shorter than max(4 tiles, 256 tokens).
+    """
+    programs = batch * kv_heads
+    fill = (3 * num_sms) // programs
+    min_chunk = max(4 * block_n, 256) if num_sms > 16 else block_n
+    by_len = max(1, triton.cdiv(max_ctx, min_chunk))
+    return max(1, min(fill, by_len, 64))
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+    def bad(msg: str):
+        raise ValueError(f"paged_decode_attention: {msg}")
+
+    if q.dim() != 3:
+        bad(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        bad("k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    B, hq, d = q.shape
+    _, bs, hkv, dk = k_cache.shape
+    if q.dtype not in _FLOAT or k_cache.dtype not in _CACHE or v_cache.dtype != k_cache.dtype:
+        bad(f"dtypes q={q.dtype} k={k_cache.dtype} v={v_cache.dtype}; need q fp16/bf16/fp32, "
+            "caches fp16/bf16/fp32/float8_e4m3fn and k_cache.dtype == v_cache.dtype")
+    if dk != d or d < 16 or d > 256 or d & (d - 1):
+        bad(f"head_dim must match (q {d}, cache {dk}) and be a power of 2 in [16, 256]")
+    if bs < 1 or bs & (bs - 1):
+        bad(f"block_size must be a power of 2, got {bs}")
+    if hkv == 0 or hq % hkv:
+        bad(f"Hq={hq} must be a multiple of Hkv={hkv}")
+    if q.stride(2) != 1:
+        bad("q's last dim must be contiguous")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        bad("k_cache and v_cache must be contiguous")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 \
+            or block_tables.shape[0] != B or block_tables.stride(1) != 1:
+        bad(f"block_tables must be int32 [B={B}, max_blocks] with contiguous rows, got "
+            f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (B,) or not seq_lens.is_contiguous():
+        bad(f"seq_lens must be contiguous int32 [B={B}], got {seq_lens.dtype} "
+            f"{tuple(seq_lens.shape)}")
+    devs = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
+    if len(devs) != 1:
+        bad(f"all tensors must be on one device, got {devs}")
+
+
+def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
+                  k_scale: float = 1.0, v_scale: float = 1.0, num_splits: int | None = None,
+                  block_n: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None):
+    """paged_decode_attention with its tuning knobs exposed (bench sweeps; tests)."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens)
+    B, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    g = hq // hkv
+    if B > 65535:
+        raise ValueError(f"paged_decode_attention: batch {B} > 65535 (grid axis limit)")
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    if block_n is None:
+        block_n = 64 if d <= 128 else 32
+    max_ctx = block_tables.shape[1] * bs  # upper bound on any seq_len, known without a sync
+    if num_splits is None:
+        num_splits = choose_num_splits(B, hkv, max_ctx, _num_sms(q.device), block_n)
+    if num_splits < 1:
+        raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        num_stages = 3 if d <= 128 else 2
+    # fp32 inputs get exact fp32 dots; so does the CPU interpreter, whose bf16 dot is wrong
+    # (triton 3.9 reads bf16 operands as integers).
+    f32_dot = q.dtype == torch.float32 or q.device.type == "cpu"
+    g_pad = max(16, triton.next_power_of_2(g))
+    if num_splits > 1:
+        part = torch.empty(B, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # unused
+    _decode_kernel[(hkv, B, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
+        scale * k_scale * _LOG2E, v_scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), num_splits,
+        HQ=hq, G=g, G_PAD=g_pad, D=d, BS=bs, BLOCK_N=block_n, SINGLE=num_splits == 1,
+        F32_DOT=f32_dot, num_warps=num_warps, num_stages=num_stages)
+    if num_splits > 1:
+        _reduce_kernel[(B, hq)](part, lse, out, out.stride(0), out.stride(1), num_splits,
+                                HQ=hq, D=d, S_PAD=max(2, triton.next_power_of_2(num_splits)),
+                                num_warps=4)
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float, *, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
+    """Decode: q [B, Hq, D], one query per sequence at its last position (seq_lens[b]-1).
+    k_scale / v_scale: per-tensor dequantisation scales of the caches (real = stored * scale),
+    for a float8_e4m3fn cache; 1.0 gives the reference twin's semantics."""
+    return decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                         k_scale=k_scale, v_scale=v_scale)

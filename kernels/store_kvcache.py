@@ -1,0 +1,80 @@
+"""Write this step's K/V rows into the paged cache.
+
+key, value : [T, Hkv, D]; token stride free (views of a fused qkv buffer are fine), each
+             token's [Hkv, D] rows contiguous.
+k_cache, v_cache : [num_blocks, block_size, Hkv, D] contiguous, so slot s owns the Hkv*D
+             elements starting at s * Hkv * D. slot_mapping [T] int64; -1 skips the token.
+Grid (T, cdiv(Hkv*D, BLOCK)); values are cast to the cache dtype on store.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, s_kt, s_vt, k_inv, v_inv,
+                  ROW: tl.constexpr, BLOCK: tl.constexpr, SCALED: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < ROW
+    k = tl.load(k_ptr + t.to(tl.int64) * s_kt + offs, mask=mask)
+    v = tl.load(v_ptr + t.to(tl.int64) * s_vt + offs, mask=mask)
+    dst = slot * ROW + offs  # slot is int64: no overflow on large caches
+    if SCALED:
+        k = k.to(tl.float32) * k_inv
+        v = v.to(tl.float32) * v_inv
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+_CACHE = _FLOAT + (torch.float8_e4m3fn,)
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> None:
+    """Write key/value [T, Hkv, D] into the caches at slot_mapping [T]; slot -1 is skipped.
+    Stores key / k_scale and value / v_scale (float8_e4m3fn caches; 1.0 = reference).
+    Slots must be < num_blocks * block_size (not checked: that would need a host sync)."""
+    def bad(msg: str):
+        raise ValueError(f"store_kvcache: {msg}")
+
+    if key.dim() != 3 or key.shape != value.shape:
+        bad(f"key and value must both be [T, Hkv, D], got {tuple(key.shape)} and "
+            f"{tuple(value.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        bad("k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    T, h, d = key.shape
+    if k_cache.shape[2:] != (h, d):
+        bad(f"key rows [Hkv={h}, D={d}] do not match the cache's {tuple(k_cache.shape[2:])}")
+    if key.dtype not in _FLOAT or value.dtype not in _FLOAT \
+            or k_cache.dtype not in _CACHE or v_cache.dtype not in _CACHE:
+        bad(f"dtypes key={key.dtype} value={value.dtype} k_cache={k_cache.dtype} "
+            f"v_cache={v_cache.dtype}; need fp16/bf16/fp32 inputs, caches also float8_e4m3fn")
+    for name, x in (("key", key), ("value", value)):
+        if x.stride(2) != 1 or x.stride(1) != d:
+            bad(f"{name}'s [Hkv, D] rows must be contiguous, got strides {x.stride()}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        bad("k_cache and v_cache must be contiguous")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (T,) \
+            or not slot_mapping.is_contiguous():
+        bad(f"slot_mapping must be contiguous int64 [T={T}], got {slot_mapping.dtype} "
+            f"{tuple(slot_mapping.shape)}")
+    devs = {x.device for x in (key, value, k_cache, v_cache, slot_mapping)}
+    if len(devs) != 1:
+        bad(f"all tensors must be on one device, got {devs}")
+    if T == 0:
+        return
+    row = h * d
+    block = min(triton.next_power_of_2(row), 4096)
+    _store_kernel[(T, triton.cdiv(row, block))](
+        key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
+        1.0 / k_scale, 1.0 / v_scale, ROW=row, BLOCK=block,
+        SCALED=k_scale != 1.0 or v_scale != 1.0, num_warps=4)

@@ -1,0 +1,292 @@
+"""Triton kernels against their reference twins (kernels/reference.py).
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes (set here, before the
+kernel modules are imported; reloaded if something imported them compiled). With CUDA the
+`gpu` tests run a grid. Checks: ||out - ref|| / ||ref|| against a float32 reference on the
+same (upcast) inputs, fresh random inputs per case, outputs allocated NaN-poisoned (so an
+unwritten element fails), unused cache slots NaN-poisoned (so a read past a sequence or
+through an unused block-table entry fails).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+
+import kernels.decode_attention as dec  # noqa: E402
+import kernels.norm as norm  # noqa: E402
+import kernels.prefill_attention as pre  # noqa: E402
+import kernels.rotary as rot  # noqa: E402
+import kernels.store_kvcache as store  # noqa: E402
+from kernels import reference as R  # noqa: E402
+
+if INTERP:
+    from triton.runtime.interpreter import InterpretedFunction
+    for _m, _k in ((dec, "_decode_kernel"), (norm, "_rms_kernel"), (pre, "_prefill_kernel"),
+                   (rot, "_rotary_kernel"), (store, "_store_kernel")):
+        if not isinstance(getattr(_m, _k), InterpretedFunction):
+            importlib.reload(_m)
+
+cpu = pytest.mark.skipif(not INTERP, reason="CPU checks run under TRITON_INTERPRET=1")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+DEV = "cpu" if INTERP else "cuda"
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+BF, HF, F32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """torch.empty / empty_like hand out NaN-filled float tensors while a kernel runs."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
+
+
+def relerr(out, ref):
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or poisoned read)"
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def make_batch(ctx, qlens, hq, hkv, d, bs, dtype, dev=DEV, kv_dtype=None):
+    """Scrambled paged caches; every slot no sequence owns is NaN."""
+    kv_dtype = kv_dtype or dtype
+    nblk = [triton.cdiv(L, bs) for L in ctx]
+    nb = sum(nblk) + 3
+    kc = torch.randn(nb, bs, hkv, d, device=dev).to(kv_dtype)
+    vc = torch.randn(nb, bs, hkv, d, device=dev).to(kv_dtype)
+    perm = torch.randperm(nb, device=dev)
+    bt = torch.full((len(ctx), max(nblk + [0]) + 2), -1, dtype=torch.int32, device=dev)
+    used = torch.zeros(nb * bs, dtype=torch.bool, device=dev)
+    i = 0
+    for b, (L, n) in enumerate(zip(ctx, nblk, strict=True)):
+        bt[b, :n] = perm[i:i + n].int()
+        i += n
+        tok = torch.arange(L, device=dev)
+        used[bt[b, tok // bs].long() * bs + tok % bs] = True
+    for c in (kc, vc):
+        if kv_dtype == FP8:  # no masked_fill for fp8: 0x7F is its NaN
+            c.view(torch.uint8).view(nb * bs, hkv, d)[~used] = 0x7F
+        else:
+            c.view(nb * bs, hkv, d)[~used] = float("nan")
+    cu = torch.tensor([0] + qlens, device=dev).cumsum(0).int()
+    q = torch.randn(int(cu[-1]), hq, d, device=dev).to(dtype)
+    return q, kc, vc, bt, torch.tensor(ctx, dtype=torch.int32, device=dev), cu
+
+
+def check_decode(ctx, hq, hkv, d, bs, dtype, kv_dtype=None, ks=1.0, vs=1.0, **knobs):
+    q, kc, vc, bt, lens, _ = make_batch(ctx, [1] * len(ctx), hq, hkv, d, bs, dtype,
+                                        kv_dtype=kv_dtype)
+    ref = R.paged_decode_attention(q.float(), kc.float() * ks, vc.float() * vs, bt, lens,
+                                   d ** -0.5)
+    out = dec.decode_launch(q, kc, vc, bt, lens, d ** -0.5, k_scale=ks, v_scale=vs, **knobs)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert relerr(out, ref) < TOL[dtype]
+
+
+def check_prefill(ctx, qlens, hq, hkv, d, bs, dtype, kv_dtype=None, ks=1.0, vs=1.0):
+    q, kc, vc, bt, lens, cu = make_batch(ctx, qlens, hq, hkv, d, bs, dtype, kv_dtype=kv_dtype)
+    ref = R.paged_attention(q.float(), kc.float() * ks, vc.float() * vs, bt, lens, cu,
+                            d ** -0.5)
+    out = pre.paged_attention(q, kc, vc, bt, lens, cu, d ** -0.5, k_scale=ks, v_scale=vs)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert relerr(out, ref) < TOL[dtype]
+
+
+def check_store(T, hkv, d, bs, dtype, cache_dtype, ks=1.0, vs=1.0):
+    nb = triton.cdiv(T, bs) + 2
+    kc = torch.randn(nb, bs, hkv, d, device=DEV).to(cache_dtype)
+    vc = torch.randn(nb, bs, hkv, d, device=DEV).to(cache_dtype)
+    kc2, vc2 = kc.clone(), vc.clone()
+    qkv = torch.randn(T, (2 + 2 * hkv) * d, device=DEV)
+    if cache_dtype == FP8 and INTERP:  # the interpreter's fp8 rounding is wrong: exact inputs
+        qkv = qkv.to(FP8).float()
+    qkv = qkv.to(dtype)  # key and value are views of a fused buffer
+    key = qkv[:, 2 * d:(2 + hkv) * d].view(T, hkv, d)
+    val = qkv[:, (2 + hkv) * d:].view(T, hkv, d)
+    slots = torch.randperm(nb * bs, device=DEV)[:T]
+    slots[::3] = -1
+    store.store_kvcache(key, val, kc, vc, slots, k_scale=ks, v_scale=vs)
+    ks_in, vs_in = (key.float() / ks).to(dtype), (val.float() / vs).to(dtype)
+    try:
+        R.store_kvcache(ks_in, vs_in, kc2, vc2, slots)
+    except (RuntimeError, NotImplementedError) as exc:  # index_put without fp8 support
+        if cache_dtype != FP8:
+            raise
+        warnings.warn(f"reference store_kvcache failed on {DEV} fp8 ({exc}); "
+                      "comparing with a uint8-view twin", stacklevel=1)
+        keep = slots >= 0
+        for c, x in ((kc2, ks_in), (vc2, vs_in)):
+            c.view(torch.uint8).view(nb * bs, hkv, d)[slots[keep]] = \
+                x[keep].to(FP8).view(torch.uint8)
+    bits = torch.uint8 if cache_dtype == FP8 else cache_dtype  # fp8 has no torch.equal
+    assert torch.equal(kc.view(bits), kc2.view(bits))
+    assert torch.equal(vc.view(bits), vc2.view(bits))
+
+
+def check_norms(shape, dtype):
+    x = torch.randn(shape, device=DEV).to(dtype)
+    r = torch.randn(shape, device=DEV).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], device=DEV)).to(dtype)
+    assert relerr(norm.rms_norm(x, w, 1e-6), R.rms_norm(x, w, 1e-6).float()) < TOL[dtype]
+    y, s = norm.fused_add_rms_norm(x, r, w, 1e-5)
+    yr, sr = R.fused_add_rms_norm(x, r, w, 1e-5)
+    assert relerr(y, yr.float()) < TOL[dtype] and relerr(s, sr.float()) < TOL[dtype]
+
+
+def check_rotary(T, hq, hkv, d, dtype, pos_dtype):
+    cs = R.rotary_cos_sin(d, 4096, 10000.0).to(DEV)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, device=DEV).to(dtype)
+    q = qkv[:, :hq * d].view(T, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
+    pos = torch.randint(0, 4096, (T,), device=DEV, dtype=pos_dtype)
+    qr, kr = R.apply_rotary(q, k, pos, cs)
+    v_before = qkv[:, (hq + hkv) * d:].clone()
+    qo, ko = rot.apply_rotary(q, k, pos, cs)
+    assert relerr(qo, qr.float()) < TOL[dtype] and relerr(ko, kr.float()) < TOL[dtype]
+    assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)  # v part of the buffer untouched
+
+
+# ---------------------------------------------------------------- CPU, interpreter
+CTX = [1, 15, 16, 17, 40, 100]
+
+
+@cpu
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,splits", [
+    (4, 2, 64, 16, F32, None), (9, 3, 64, 16, BF, None), (8, 1, 128, 32, HF, 1),
+    (2, 2, 32, 8, F32, 3), (16, 2, 64, 32, BF, 1)])
+def test_decode_cpu(poison, hq, hkv, d, bs, dtype, splits):
+    check_decode(CTX, hq, hkv, d, bs, dtype, num_splits=splits)
+
+
+@cpu
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype", [
+    (4, 2, 64, 16, F32), (9, 3, 64, 16, BF), (8, 1, 128, 32, HF), (2, 2, 32, 8, F32)])
+def test_prefill_cpu(poison, hq, hkv, d, bs, dtype):
+    # prefill from 0, decode rows, chunked prefill over a cached prefix, an empty query
+    check_prefill([5, 21, 47, 3, 1, 70], [5, 1, 30, 0, 1, 2], hq, hkv, d, bs, dtype)
+
+
+@cpu
+def test_fp8_cache_cpu(poison):
+    check_decode(CTX, 8, 2, 64, 16, BF, kv_dtype=FP8, ks=0.5, vs=2.0)
+    check_prefill([9, 30, 1], [9, 4, 1], 4, 2, 32, 16, HF, kv_dtype=FP8, ks=1.5, vs=0.25)
+    check_store(9, 2, 32, 16, BF, FP8)
+    check_store(9, 2, 32, 16, F32, FP8, ks=0.5, vs=0.25)  # exact: scaled values on the grid
+
+
+@cpu
+@pytest.mark.parametrize("dtype,cache_dtype,bs", [(F32, F32, 16), (BF, BF, 32), (F32, HF, 16)])
+def test_store_kvcache_cpu(dtype, cache_dtype, bs):
+    check_store(11, 3, 32, bs, dtype, cache_dtype)
+
+
+@cpu
+@pytest.mark.parametrize("dtype", [F32, HF, BF])
+def test_norms_cpu(poison, dtype):
+    check_norms((3, 5, 96), dtype)
+
+
+@cpu
+@pytest.mark.parametrize("dtype,pos_dtype", [(F32, torch.int64), (BF, torch.int32)])
+def test_rotary_cpu(dtype, pos_dtype):
+    check_rotary(7, 9, 3, 64, dtype, pos_dtype)
+
+
+# ---------------------------------------------------------------- layout errors (any device)
+def test_layout_errors_raise_valueerror():
+    q, kc, vc, bt, lens, cu = make_batch([5, 9], [1, 1], 4, 2, 32, 16, F32, "cpu")
+    s = 32 ** -0.5
+    bad_calls = [
+        lambda: dec.paged_decode_attention(q, kc, vc, bt.long(), lens, s),
+        lambda: dec.paged_decode_attention(q, kc, vc, bt, lens.long(), s),
+        lambda: dec.paged_decode_attention(q[:, :3], kc, vc, bt, lens, s),
+        lambda: dec.paged_decode_attention(q, kc, vc.half(), bt, lens, s),
+        lambda: dec.paged_decode_attention(q, kc.transpose(1, 2), vc, bt, lens, s),
+        lambda: pre.paged_attention(q, kc, vc, bt, lens, cu[:-1], s),
+        lambda: pre.paged_attention(q.int(), kc, vc, bt, lens, cu, s),
+        lambda: pre.paged_attention(q, kc[..., :24], vc[..., :24], bt, lens, cu, s),
+        lambda: store.store_kvcache(q[:, :2], q[:, :2], kc, vc, torch.zeros(2).int()),
+        lambda: store.store_kvcache(q[:, :2], q[:, :3], kc, vc, torch.zeros(2).long()),
+        lambda: norm.rms_norm(q, torch.ones(31), 1e-6),
+        lambda: norm.fused_add_rms_norm(q, q[:1], torch.ones(32), 1e-6),
+        lambda: rot.apply_rotary(q, q[:, :2], torch.zeros(2).long(), torch.ones(8, 16)),
+        lambda: rot.apply_rotary(q, q[:, :2], torch.zeros(2).float(), torch.ones(8, 32)),
+    ]
+    for i, call in enumerate(bad_calls):
+        with pytest.raises(ValueError):
+            call()
+            pytest.fail(f"bad call {i} did not raise")
+
+
+# ---------------------------------------------------------------- GPU grid
+HEADS = [(8, 8, 128), (16, 8, 128), (32, 8, 128), (64, 8, 128), (9, 3, 64)]  # GQA 1,2,4,8,3
+GPU_CTX = [1, 2, 15, 16, 17, 255, 1000, 4096, 4097, 32768]
+
+
+DEC_GPU = [(*h, bs, BF) for h in HEADS for bs in (16, 32)] + [
+    (16, 8, 128, 16, HF), (9, 3, 64, 16, HF)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype", DEC_GPU)
+def test_decode_gpu(poison, hq, hkv, d, bs, dtype):
+    check_decode(GPU_CTX, hq, hkv, d, bs, dtype)  # split path (B*Hkv small)
+    check_decode(GPU_CTX, hq, hkv, d, bs, dtype, num_splits=1)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_decode_gpu_batch(poison):
+    ctx = torch.randint(1, 4097, (64,)).tolist()
+    check_decode(ctx, 16, 8, 128, 16, BF)
+    check_decode(ctx[:40], 32, 8, 128, 16, BF, num_splits=7)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("hq,hkv,d,bs", [(*h, 16) for h in HEADS + [(16, 4, 256)]]
+                         + [(32, 8, 128, 32), (9, 3, 64, 32)])
+def test_prefill_gpu(poison, hq, hkv, d, bs):
+    # (context, query) pairs: decode rows, fresh prefills, chunked prefill over a prefix
+    pairs = [(1, 1), (1000, 1), (300, 300), (4077, 77), (2048, 2048), (642, 513), (10, 0),
+             (32768, 1), (5000, 1000)]
+    dtype = HF if d == 64 else BF
+    check_prefill([c for c, _ in pairs], [q for _, q in pairs], hq, hkv, d, bs, dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [BF, HF])
+def test_small_kernels_gpu(poison, dtype):
+    check_store(1000, 8, 128, 16, dtype, dtype)
+    check_store(77, 3, 64, 32, F32, dtype)
+    check_norms((513, 4096), dtype)
+    check_norms((7, 1000), dtype)
+    check_rotary(1000, 32, 8, 128, dtype, torch.int64)
+    check_rotary(33, 9, 3, 64, dtype, torch.int32)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp8_cache_gpu(poison):
+    check_decode(GPU_CTX, 32, 8, 128, 16, BF, kv_dtype=FP8, ks=0.5, vs=2.0)
+    check_decode(GPU_CTX, 9, 3, 64, 16, HF, kv_dtype=FP8, num_splits=1)
+    check_prefill([1000, 300, 4077, 1], [1, 300, 77, 1], 16, 8, 128, 16, BF, kv_dtype=FP8,
+                  ks=1.5, vs=0.25)
+    check_store(1000, 8, 128, 16, BF, FP8)
+    check_store(77, 3, 64, 32, F32, FP8, ks=0.5, vs=4.0)
+
