@@ -13,6 +13,7 @@ import redis.asyncio as aredis
 from .client import (
     POLL_S,
     READ_COUNT,
+    SOCKET_TIMEOUT_S,
     Cursor,
     block_ms,
     entries_of,
@@ -48,7 +49,8 @@ class AsyncClient:
         self.keys = Keys(prefix or self.settings.prefix)
         self.model = check_name("model", model or self.settings.model)
         self.redis = aredis.Redis.from_url(redis_url or self.settings.redis_url,
-                                           decode_responses=True)
+                                           decode_responses=True,
+                                          socket_timeout=SOCKET_TIMEOUT_S)
         self._scripts = register(self.redis)
 
     # -- submit

@@ -36,6 +36,8 @@ from .scripts import (
 from .settings import Settings
 
 POLL_S = 5.0  # longest single blocking read; the job hash is re-checked in between
+# redis-py 8 defaults socket_timeout to 5 s, which would cut a 5 s BLOCK short
+SOCKET_TIMEOUT_S = POLL_S + 10.0
 READ_COUNT = 1000  # out-stream entries per XREAD
 
 
@@ -131,7 +133,8 @@ class Client:
         self.keys = Keys(prefix or self.settings.prefix)
         self.model = check_name("model", model or self.settings.model)
         self.redis = redis.Redis.from_url(redis_url or self.settings.redis_url,
-                                          decode_responses=True)
+                                          decode_responses=True,
+                                          socket_timeout=SOCKET_TIMEOUT_S)
         self._scripts = register(self.redis)
 
     # -- submit

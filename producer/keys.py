@@ -72,6 +72,10 @@ class Keys:
         """Approximate prompt+max tokens of jobs queued but not started (backpressure)."""
         return f"{self.base}:qtokens:{model}"
 
+    def queued_jobs(self, model: str) -> str:
+        """Exact count of jobs submitted and not yet taken out of 'queued' (backpressure)."""
+        return f"{self.base}:qjobs:{model}"
+
     def batch(self, batch_id: str) -> str:
         return f"{self.base}:batch:{batch_id}"
 

@@ -23,7 +23,8 @@ from .keys import GROUP, Keys, check_job_id
 from .schema import SCHEMA_VERSION, JobRequest
 from .settings import Settings
 
-# KEYS: 1 job hash, 2 jobs stream, 3 queued-tokens counter, 4 out stream
+# KEYS: 1 job hash, 2 jobs stream, 3 queued-tokens counter, 4 out stream,
+#       5 queued-jobs counter
 # ARGV: 1 job id, 2 body JSON, 3 req_hash, 4 model, 5 qtok, 6 timeout_s or "",
 #       7 max_queued_jobs (0 = unlimited), 8 max_queued_tokens (0 = unlimited),
 #       9 consumer group name, 10 schema version
@@ -37,25 +38,11 @@ if redis.call('EXISTS', job) == 1 then
   end
   return {'conflict', ''}
 end
--- queued = the group's lag (entries never delivered; Redis >= 7), else XLEN.
-local queued, has_group = nil, false
-if redis.call('EXISTS', stream) == 1 then
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
-    local name, lag = nil, nil
-    for i = 1, #g, 2 do
-      if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'lag' then lag = g[i + 1] end
-    end
-    if name == ARGV[9] then
-      has_group = true
-      if type(lag) == 'number' then queued = lag end
-    end
-  end
-end
-if not has_group then
-  -- id 0: a group created after jobs were added still delivers them.
-  redis.call('XGROUP', 'CREATE', stream, ARGV[9], '0', 'MKSTREAM')
-end
-if queued == nil then queued = redis.call('XLEN', stream) end
+-- queued = jobs submitted and not yet started/cancelled: an exact counter kept by whoever
+-- moves a job out of 'queued' (worker START, CANCEL), atomically with the status change.
+-- id 0: a group created after jobs were added still delivers them (BUSYGROUP ignored).
+redis.pcall('XGROUP', 'CREATE', stream, ARGV[9], '0', 'MKSTREAM')
+local queued = tonumber(redis.call('GET', KEYS[5]) or '0') or 0
 local qtok, maxj, maxt = tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[8])
 if maxj > 0 and queued >= maxj then
   return {'overloaded', 'max_queued_jobs', tostring(maxj), tostring(queued)}
@@ -76,13 +63,15 @@ redis.call('DEL', out)
 redis.call('HSET', job, 'status', 'queued', 'model', ARGV[4], 'attempt', '0',
            'created_at', now, 'req_hash', ARGV[3], 'qtok', ARGV[5], 'deadline', deadline)
 redis.call('INCRBY', qkey, qtok)
+redis.call('INCR', KEYS[5])
 local eid = redis.call('XADD', stream, '*', 'job', ARGV[1], 'body', ARGV[2], 'v', ARGV[10])
 redis.call('HSET', job, 'entry', eid)
 return {'queued', eid}
 """
 
 # KEYS: 1 job hash, 2 out stream, 3 cancel set
-# ARGV: 1 job id, 2 result_ttl_s, 3 pub/sub channel, 4 queued-tokens key prefix (model appended)
+# ARGV: 1 job id, 2 result_ttl_s, 3 pub/sub channel, 4 queued-tokens key prefix (model appended),
+#       5 queued-jobs key prefix (model appended)
 # Reply: "missing" | "terminal" | "cancelled" (was queued) | "requested" (was running)
 CANCEL_LUA = r"""
 local job, out, cset = KEYS[1], KEYS[2], KEYS[3]
@@ -117,6 +106,10 @@ local model = redis.call('HGET', job, 'model') or ''
 if qtok > 0 and model ~= '' then
   local qkey = ARGV[4] .. model
   if redis.call('DECRBY', qkey, qtok) < 0 then redis.call('SET', qkey, '0') end
+end
+if model ~= '' and redis.call('HGET', job, 'raw') ~= '1' then
+  local jkey = ARGV[5] .. model
+  if redis.call('DECR', jkey) < 0 then redis.call('SET', jkey, '0') end
 end
 redis.call('HSET', job, 'status', 'cancelled', 'finish_reason', 'cancelled',
            'finished_at', now, 'text', text, 'qtok', '0')
@@ -155,7 +148,8 @@ def submit_call(keys: Keys, req: JobRequest, settings: Settings) -> tuple[list[s
         raise ValueError("submit_call needs a request with an id")
     body = req.body_json()
     return (
-        [keys.job(req.id), keys.jobs(req.model), keys.queued_tokens(req.model), keys.out(req.id)],
+        [keys.job(req.id), keys.jobs(req.model), keys.queued_tokens(req.model), keys.out(req.id),
+         keys.queued_jobs(req.model)],
         [req.id, body, req_hash(body), req.model, str(queued_tokens_of(req)),
          "" if req.timeout_s is None else str(float(req.timeout_s)),
          str(settings.max_queued_jobs), str(settings.max_queued_tokens), GROUP,
@@ -178,7 +172,8 @@ def check_submit_reply(reply: Any, job_id: str) -> str:
 
 def cancel_call(keys: Keys, job_id: str, settings: Settings) -> tuple[list[str], list[str]]:
     return ([keys.job(job_id), keys.out(job_id), keys.cancel],
-            [job_id, str(settings.result_ttl_s), keys.chan(job_id), keys.queued_tokens("")])
+            [job_id, str(settings.result_ttl_s), keys.chan(job_id), keys.queued_tokens(""),
+             keys.queued_jobs("")])
 
 
 def check_cancel_reply(reply: Any, job_id: str) -> bool:

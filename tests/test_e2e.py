@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-import redis
 
 from producer import Client
 from producer.errors import InvalidRequest
@@ -101,8 +100,7 @@ def test_prompt_longer_than_context_fails_without_disturbing_others(service):
 
 def test_malformed_raw_entries_are_failed_and_worker_keeps_serving(service):
     client, _w = service
-    r = redis.Redis.from_url(client.redis.connection_pool.connection_kwargs.get("url", "")
-                             or _url(client), decode_responses=True)
+    r = client.redis
     stream = client.keys.jobs("smollm2")
     r.xadd(stream, {"garbage": "1"})
     r.xadd(stream, {"job": "raw-bad-json", "body": "{not json"})
@@ -131,7 +129,3 @@ def test_bad_input_is_refused_at_submit_and_nothing_enqueued(service):
             client.submit(**kw)
     assert client.redis.xlen(stream) == before
 
-
-def _url(client) -> str:
-    kw = client.redis.connection_pool.connection_kwargs
-    return f"redis://{kw.get('host', '127.0.0.1')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"

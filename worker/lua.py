@@ -5,15 +5,17 @@ Event ``i`` of a job lives at out-stream id ``0-(i+1)``: XADD of an existing ind
 so no event is ever written twice (see producer/keys.py).
 """
 
-# KEYS: job hash, queued-tokens counter. ARGV: worker id, now, model, max_deliveries.
+# KEYS: job hash, queued-tokens counter, queued-jobs counter.
+# ARGV: worker id, now, model, max_deliveries.
 # -> {'ok', attempt, deadline, was_status} | {'terminal', status} | {'poison', attempts}
 # Poison = started max_deliveries times without a terminal result (each start bumps
 # attempt; jobs that merely sat in a crashed worker's batch of entries are not counted).
 START = r"""
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then
+  -- an entry XADDed without the submit script: never counted as queued
   redis.call('HSET', KEYS[1], 'status', 'queued', 'model', ARGV[3], 'attempt', 0,
-             'created_at', ARGV[2])
+             'created_at', ARGV[2], 'raw', 1)
   st = 'queued'
 end
 if st ~= 'queued' and st ~= 'running' then return {'terminal', st} end
@@ -24,6 +26,9 @@ if st == 'queued' then
   if q > 0 then
     -- qtok is zeroed with the decrement so a job is subtracted at most once
     if tonumber(redis.call('DECRBY', KEYS[2], q)) < 0 then redis.call('SET', KEYS[2], 0) end
+  end
+  if redis.call('HGET', KEYS[1], 'raw') ~= '1' then
+    if tonumber(redis.call('DECR', KEYS[3])) < 0 then redis.call('SET', KEYS[3], 0) end
   end
   redis.call('HSET', KEYS[1], 'started_at', ARGV[2], 'qtok', 0)
 end
@@ -72,7 +77,10 @@ local h = redis.call('HMGET', KEYS[1], 'attempt', 'status')
 if h[1] ~= ARGV[1] then return 'fenced' end
 local st = h[2]
 if st == 'finished' or st == 'failed' or st == 'cancelled' or st == 'expired' then
-  if ARGV[10] ~= '' then redis.call('XACK', KEYS[3], ARGV[11], ARGV[10]) end
+  if ARGV[10] ~= '' then
+    redis.call('XACK', KEYS[3], ARGV[11], ARGV[10])
+    redis.call('XDEL', KEYS[3], ARGV[10])
+  end
   return 'dup'
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'finish_reason', ARGV[3], 'text', ARGV[4],
@@ -87,7 +95,11 @@ redis.call('PUBLISH', ARGV[13], cjson.encode({t = 'final', i = ARGV[8], status =
 redis.call('EXPIRE', KEYS[1], ARGV[9])
 redis.call('EXPIRE', KEYS[2], ARGV[9])
 redis.call('SREM', KEYS[4], ARGV[12])
-if ARGV[10] ~= '' then redis.call('XACK', KEYS[3], ARGV[11], ARGV[10]) end
+-- the entry is not needed once its job is terminal: keep the jobs stream bounded
+if ARGV[10] ~= '' then
+  redis.call('XACK', KEYS[3], ARGV[11], ARGV[10])
+  redis.call('XDEL', KEYS[3], ARGV[10])
+end
 return 'ok'
 """
 
@@ -115,6 +127,7 @@ if ARGV[4] ~= '' then
   end
 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
 return 'ok'
 """
 

@@ -159,16 +159,9 @@ class Worker:
         return max(0, eng.config.max_num_seqs - eng.num_running - eng.num_waiting)
 
     def _intake(self, own_pending: bool = False) -> bool:
+        """Admit entries: own pending ones first (after a restart), then idle ones of
+        other workers, then new ones. Returns False while own pending remain."""
         room = self._room()
-        if room and time.monotonic() >= self._next_reclaim:
-            self._next_reclaim = time.monotonic() + max(0.5, self.s.lease_s / 4)
-            self._claim_cursor, claimed = reclaim(self.r, self.stream, self.worker_id,
-                                                  self.s.lease_s, room, self._claim_cursor)
-            for c in claimed:
-                self.metrics.reclaims.inc()
-                self.log.info("entry_reclaimed", entry_id=c.entry_id, deliveries=c.deliveries)
-                self._admit(c.entry_id, c.fields, c.deliveries)
-            room = self._room()
         if room <= 0:
             return False
         if own_pending:
@@ -181,7 +174,18 @@ class Worker:
                 counts = {p["message_id"]: p["times_delivered"] for p in pend}
                 for entry_id, fields in entries:
                     self._admit(entry_id, fields, counts.get(entry_id, 1))
-            return len(entries) < room  # done once everything own is re-read
+            return len(entries) < room
+        if time.monotonic() >= self._next_reclaim:
+            self._next_reclaim = time.monotonic() + max(0.5, self.s.lease_s / 4)
+            self._claim_cursor, claimed = reclaim(self.r, self.stream, self.worker_id,
+                                                  self.s.lease_s, room, self._claim_cursor)
+            for c in claimed:
+                self.metrics.reclaims.inc()
+                self.log.info("entry_reclaimed", entry_id=c.entry_id, deliveries=c.deliveries)
+                self._admit(c.entry_id, c.fields, c.deliveries)
+            room = self._room()
+            if room <= 0:
+                return True
         block = None if self.engine.has_unfinished() else 500
         resp = self.r.xreadgroup(GROUP, self.worker_id, {self.stream: ">"}, count=room,
                                  block=block)
@@ -192,7 +196,7 @@ class Worker:
 
     def _admit(self, entry_id: str, fields: dict[str, str] | None, deliveries: int) -> None:
         if not fields:  # its data was deleted from the stream: nothing to run
-            self.r.xack(self.stream, GROUP, entry_id)
+            self._ack_del(entry_id)
             return
         try:
             req = parse_entry(fields)
@@ -200,8 +204,11 @@ class Worker:
             self._reject_entry(entry_id, fields, str(e), e.job_id, deliveries)
             return
         job_id = fields["job"]
+        if job_id in self.jobs:  # already running here (claimed back by our own refresh)
+            return
         jlog = self.log.bind(job_id=job_id)
-        res = self._start(keys=[self.keys.job(job_id), self.keys.queued_tokens(self.model)],
+        res = self._start(keys=[self.keys.job(job_id), self.keys.queued_tokens(self.model),
+                                self.keys.queued_jobs(self.model)],
                           args=[self.worker_id, f"{time.time():.6f}", self.model,
                                 self.s.max_deliveries])
         if res[0] == "poison":
@@ -211,7 +218,7 @@ class Worker:
             return
         if res[0] != "ok":
             jlog.info("job_skipped", status=res[1])
-            self.r.xack(self.stream, GROUP, entry_id)
+            self._ack_del(entry_id)
             return
         attempt, deadline = int(res[1]), float(res[2]) if res[2] else None
         job = Job(job_id, entry_id, attempt, req, deadline, admitted_at=time.monotonic())
@@ -238,6 +245,10 @@ class Worker:
         self.jobs[job_id] = job
         self.metrics.prompt_tokens.inc(job.prompt_tokens)
         jlog.info("job_started", attempt=attempt, resumed_tokens=len(resumed_ids))
+
+    def _ack_del(self, entry_id: str) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xack(self.stream, GROUP, entry_id).xdel(self.stream, entry_id).execute()
 
     def _replay_events(self, job: Job) -> tuple[list[int], int]:
         """A reclaimed job continues after the tokens its earlier attempts published."""
