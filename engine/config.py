@@ -21,6 +21,8 @@ class EngineConfig:
     enforce_eager: bool = False  # disable CUDA graphs
     use_triton: bool | None = None  # None: Triton kernels on CUDA, reference path on CPU
     seed: int = 0  # seed of the generator for requests without their own seed
+    # "dummy": random weights from config.json alone (benchmarks: no checkpoint needed)
+    load_format: str = "auto"
 
     def validate(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -40,5 +42,7 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError("kv_cache_dtype must be 'auto' or 'fp8'")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError("load_format must be 'auto' or 'dummy'")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("dtype must be auto, float32, bfloat16 or float16")

@@ -21,10 +21,20 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
 
+class _NoText:
+    """Output stream of a model without a tokenizer: token ids only, no text."""
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        return "", False
+
+    def finish(self) -> str:
+        return ""
+
+
 @dataclass(slots=True)
 class _Live:
     seq: Sequence
-    stream: OutputStream
+    stream: OutputStream | _NoText
     max_output: int  # params.max_tokens clipped to the context left
 
 
@@ -46,6 +56,8 @@ class LLMEngine:
     def encode(self, prompt: str | list[int] | None = None,
                messages: list[dict[str, str]] | None = None) -> list[int]:
         """Token ids of a text prompt, a token-id prompt, or chat messages (chat template)."""
+        if self.tokenizer is None and (messages is not None or isinstance(prompt, str)):
+            raise ValueError("this model has no tokenizer: give prompts as token ids")
         if messages is not None:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                      tokenize=True)
@@ -91,7 +103,8 @@ class LLMEngine:
                 p = dataclasses.replace(params, seed=params.seed + k)
             seq = Sequence(rid, ids, p, priority=priority, token_ids=ids + resumed)
             seq.num_resumed_output = len(resumed)
-            stream = OutputStream(self.tokenizer, p, ids)
+            stream = (OutputStream(self.tokenizer, p, ids) if self.tokenizer is not None
+                      else _NoText())
             for t in resumed:  # replay, discarding text the earlier attempt already emitted
                 stream.push(t)
             self.scheduler.add(seq)

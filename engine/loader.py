@@ -40,8 +40,9 @@ class ModelSource:
     path: Path  # the folder (hf) or the .gguf file (gguf)
 
 
-def resolve_model(name_or_path: str | os.PathLike) -> ModelSource:
-    """Map a built-in name or a local path to a ModelSource; ValueError otherwise."""
+def resolve_model(name_or_path: str | os.PathLike, require_weights: bool = True) -> ModelSource:
+    """Map a built-in name or a local path to a ModelSource; ValueError otherwise.
+    ``require_weights=False`` (load_format 'dummy') accepts a folder with config.json only."""
     name = str(name_or_path)
     if name in BUILTIN_MODELS:
         pkg, fname = BUILTIN_MODELS[name]
@@ -62,7 +63,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> ModelSource:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model folder {path} has no config.json")
-        if not any(path.glob("*.safetensors")):
+        if require_weights and not any(path.glob("*.safetensors")):
             raise ValueError(f"model folder {path} has no *.safetensors weights "
                              f"(only safetensors checkpoints are supported)")
         return ModelSource(name, "hf", path.resolve())

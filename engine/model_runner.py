@@ -60,7 +60,7 @@ class ModelRunner:
                 raise ValueError("kv_cache_dtype 'fp8' needs a CUDA device")
             self.kv_cache_dtype = torch.float8_e4m3fn
 
-        self.source = resolve_model(model_name_or_path)
+        self.source = resolve_model(model_name_or_path, config.load_format != "dummy")
         hf_config, weights, self.tokenizer = load_model_files(self.source)
         self.hf_config = hf_config
         model_cls = get_model_class(hf_config)
@@ -71,7 +71,10 @@ class ModelRunner:
         with torch.device("meta"):  # no random init: parameters are filled by load_weights
             model = model_cls(hf_config, max_position=self.max_model_len)
         model = model.to(self.dtype).to_empty(device=self.device)
-        model.load_weights(weights)
+        if config.load_format == "dummy":
+            _init_dummy(model)
+        else:
+            model.load_weights(weights)
         self.model = model.eval()
 
         use_triton = config.use_triton
@@ -275,3 +278,14 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self._run_model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[sample_rows])
+
+
+@torch.no_grad()
+def _init_dummy(model: torch.nn.Module) -> None:
+    """Random weights (norm weights 1): the same shapes and speed as a real checkpoint."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)

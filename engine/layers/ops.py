@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 
 import torch
 
@@ -27,6 +28,8 @@ TRITON_MODULES = {
 
 _use_triton = False
 _triton_ops: dict[str, object] = {}
+# Ablations (bench/offline.py --disable): ops listed here run their torch twin even on CUDA.
+_disabled = {x.strip() for x in os.environ.get("PAGEDQ_DISABLE_KERNELS", "").split(",") if x.strip()}
 
 
 def set_use_triton(flag: bool) -> None:
@@ -46,7 +49,7 @@ def triton_available() -> bool:
 
 
 def _op(name: str, x: torch.Tensor):
-    if not (_use_triton and x.is_cuda):
+    if not (_use_triton and x.is_cuda) or name in _disabled:
         return getattr(reference, name)
     fn = _triton_ops.get(name)
     if fn is None:

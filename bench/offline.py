@@ -1,0 +1,151 @@
+"""Offline engine throughput: workload 1 of BENCHMARKS.md (nano-vllm's bench).
+
+random.seed(0); N sequences; prompt = randint(100, 1024) random ids in [0, 10000];
+max_tokens = randint(100, 1024); temperature 0.6; ignore_eos; max_model_len 4096.
+Random bf16 weights of a model shape (load_format 'dummy': nothing to download).
+One warm-up call, then one timed call. Also reports KV waste: the share of allocated
+KV slots (blocks of running sequences x block size) not holding a computed token,
+sampled every 8th step.
+
+  python bench/offline.py [--shape qwen3-0.6b|llama-3.2-1b|llama-3.1-8b] [--num-seqs 256]
+                          [--enforce-eager] [--disable rms_norm,fused_add_rms_norm,apply_rotary]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
+                       hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       rope_theta=1000000.0, tie_word_embeddings=True,
+                       max_position_embeddings=40960),
+    "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+                         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         rope_theta=500000.0, tie_word_embeddings=True,
+                         max_position_embeddings=131072,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192}),
+    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+                         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         rope_theta=500000.0, tie_word_embeddings=False,
+                         max_position_embeddings=131072,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192}),
+}
+PHYSICAL_LIMIT = {"qwen3-0.6b": 35600.0}  # tok/s on the H200 (BENCHMARKS.md)
+
+
+def workload(n: int):
+    from engine import SamplingParams
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
+               for _ in range(n)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                             max_tokens=random.randint(100, 1024)) for _ in range(n)]
+    return prompts, params
+
+
+def model_folder(shape: str) -> str:
+    folder = tempfile.mkdtemp(prefix=f"pagedq-{shape}-")
+    cfg = dict(SHAPES[shape], rms_norm_eps=1e-6, hidden_act="silu", torch_dtype="bfloat16",
+               eos_token_id=0, bos_token_id=0)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return folder
+
+
+def run(engine, prompts, params) -> dict:
+    """generate() by hand so KV waste can be sampled between steps."""
+    for k, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"b{k}", p, sp)
+    out_tokens = steps = 0
+    alloc = held = 0
+    peak_waste = 0.0
+    bs = engine.config.block_size
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        out_tokens += len(engine.step())
+        steps += 1
+        if steps % 8 == 0:
+            run_seqs = engine.scheduler.running
+            a = sum(len(s.block_table) for s in run_seqs) * bs
+            h = sum(s.num_computed_tokens for s in run_seqs)
+            alloc, held = alloc + a, held + h
+            if a:
+                peak_waste = max(peak_waste, 1 - h / a)
+    dt = time.perf_counter() - t0
+    return dict(seconds=dt, output_tokens=out_tokens, steps=steps,
+                throughput_tok_s=out_tokens / dt,
+                kv_waste_mean=(1 - held / alloc) if alloc else 0.0, kv_waste_peak=peak_waste)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=list(SHAPES))
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--disable", default="", help="kernels to replace by their torch twins")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=None, help="folder for the JSON result")
+    ap.add_argument("--smoke", action="store_true", help="clip prompts/outputs to 16 tokens")
+    args = ap.parse_args()
+    if args.disable:
+        os.environ["PAGEDQ_DISABLE_KERNELS"] = args.disable
+    import torch
+
+    from engine import LLMEngine, SamplingParams
+    t = time.perf_counter()
+    engine = LLMEngine(model_folder(args.shape), load_format="dummy", max_model_len=4096,
+                       max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       enforce_eager=args.enforce_eager, device=args.device)
+    load_s = time.perf_counter() - t
+    prompts, params = workload(args.num_seqs)
+    if args.smoke:  # a quick check of the script itself, e.g. on the CPU
+        prompts = [p[:16] for p in prompts]
+        for sp in params:
+            sp.max_tokens = 16
+    engine.generate([[1] * 16] * 4, SamplingParams(max_tokens=8, ignore_eos=True),
+                    use_tqdm=False)  # warm-up
+    res = run(engine, prompts, params)
+    res.update(shape=args.shape, num_seqs=args.num_seqs, enforce_eager=args.enforce_eager,
+               disabled=args.disable, prompt_tokens=sum(map(len, prompts)),
+               expected_output_tokens=sum(p.max_tokens for p in params),
+               num_kv_blocks=engine.runner.num_kv_blocks, load_s=load_s,
+               cuda_graphs=len(engine.runner.graphs),
+               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    if args.shape in PHYSICAL_LIMIT and res["device"] != "cpu":
+        res["fraction_of_limit"] = res["throughput_tok_s"] / PHYSICAL_LIMIT[args.shape]
+    print(json.dumps(res))
+    print(f"{args.shape:13s} seqs={args.num_seqs:4d} eager={args.enforce_eager!s:5s} "
+          f"disabled={args.disable or '-':30s} {res['throughput_tok_s']:9.0f} tok/s "
+          f"({res['output_tokens']} tok in {res['seconds']:.2f} s, {res['steps']} steps) "
+          f"kv_waste mean={res['kv_waste_mean']:.2%} peak={res['kv_waste_peak']:.2%}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        tag = f"{args.shape}-{args.num_seqs}{'-eager' if args.enforce_eager else ''}" + \
+              (f"-no-{args.disable.replace(',', '+')}" if args.disable else "")
+        with open(os.path.join(args.out, f"offline-{tag}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    assert res["output_tokens"] == res["expected_output_tokens"], "lost tokens"
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
