@@ -44,13 +44,28 @@ class LLMEngine:
         self.config.validate()
         self.runner = ModelRunner(model, self.config)
         self.tokenizer = self.runner.tokenizer
-        self.max_model_len = self.runner.max_model_len
+        self.max_model_len = self._fit_max_model_len()
         self.eos_token_ids = set(self.runner.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids, self.config.seed)
         self._live: dict[str, _Live] = {}
+
+    def _fit_max_model_len(self) -> int:
+        """One sequence of max_model_len tokens must fit the KV cache: an explicit
+        max_model_len that cannot is an error; the model's default is lowered to fit."""
+        capacity = self.runner.num_kv_blocks * self.config.block_size
+        wanted = self.runner.max_model_len
+        if wanted <= capacity:
+            return wanted
+        if self.config.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len {wanted} needs {wanted} tokens of KV cache but only {capacity} "
+                f"fit ({self.runner.num_kv_blocks} blocks of {self.config.block_size}): lower "
+                f"max_model_len or give the cache more memory (num_kv_blocks, "
+                f"kv_cache_memory_gb, gpu_memory_utilization)")
+        return capacity
 
     # ---- requests -------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | None = None,

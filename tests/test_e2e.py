@@ -2,8 +2,10 @@
 paged KV cache) -> tokens back through Redis."""
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -11,6 +13,7 @@ from producer import Client
 from producer.errors import InvalidRequest
 from producer.keys import GROUP
 from tests.worker_proc import WorkerProc
+from worker.redis_server import free_port
 
 PROMPTS = ["What is the capital of France?", "Count from one to five.", "Say hi.",
            "Write one sentence about cats.", "What is 2+2?", "Name a color.",
@@ -21,7 +24,8 @@ PROMPTS = ["What is the capital of France?", "Count from one to five.", "Say hi.
 @pytest.fixture(scope="module")
 def service(shared_redis_server):
     prefix = f"e2e{time.time_ns()}"
-    w = WorkerProc(shared_redis_server.url, prefix, extra=["--max-num-seqs", "16"]).start()
+    w = WorkerProc(shared_redis_server.url, prefix,
+                   extra=["--max-num-seqs", "16", "--metrics-port", str(free_port())]).start()
     client = Client(shared_redis_server.url, prefix=prefix, model="smollm2")
     yield client, w
     w.stop()
@@ -129,3 +133,34 @@ def test_bad_input_is_refused_at_submit_and_nothing_enqueued(service):
             client.submit(**kw)
     assert client.redis.xlen(stream) == before
 
+
+
+def test_metrics_endpoint_and_json_logs_without_prompts(service):
+    client, w = service
+    secret = "zebra-unicorn-secret-prompt"
+    jid = client.submit(f"Repeat: {secret}", max_tokens=5, temperature=0.0, ignore_eos=True)
+    assert client.result(jid, timeout=120).status == "finished"
+    port = int(w.extra[w.extra.index("--metrics-port") + 1])
+    deadline = time.time() + 15
+    while True:  # queue gauges are read every few seconds
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+                   if line and not line.startswith("#")}
+        if "pagedq:stream_length" in samples or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    for name in ("pagedq:num_requests_running", "pagedq:num_requests_waiting",
+                 "pagedq:kv_cache_usage_perc", "pagedq:num_preemptions_total",
+                 "pagedq:pending_count", "pagedq:oldest_pending_age_seconds", "pagedq:dlq_size",
+                 "pagedq:reclaims_total", "pagedq:stream_length"):
+        assert name in samples, name
+    assert samples["pagedq:generation_tokens_total"] >= 5
+    assert samples["pagedq:prompt_tokens_total"] > 0
+    assert samples["pagedq:time_to_first_token_seconds_count"] >= 1
+    assert samples["pagedq:e2e_request_latency_seconds_count"] >= 1
+    assert samples["pagedq:inter_token_latency_seconds_count"] >= 4
+    log = w.log(tail=None)
+    assert secret not in log, "prompts must never be logged"
+    events = [json.loads(x) for x in log.splitlines() if x.startswith("{")]
+    done = [e for e in events if e.get("event") == "job_done" and e.get("job_id") == jid]
+    assert done and done[0]["worker_id"] == w.worker_id and done[0]["status"] == "finished"

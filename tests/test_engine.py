@@ -164,4 +164,6 @@ def test_bad_input_is_a_clear_error(smol_engine):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="block_size"):
         LLMEngine("smollm2", block_size=3)
+    with pytest.raises(ValueError, match="KV cache"):  # max_model_len vs memory
+        LLMEngine("smollm2", device="cpu", num_kv_blocks=8, max_model_len=1024)
     assert not eng.has_unfinished()

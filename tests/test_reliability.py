@@ -303,6 +303,18 @@ def test_idempotent_resubmission_runs_once(svc):
     assert c.redis.xlen(c.keys.jobs(MODEL)) == 0  # one entry, deleted once its job ended
 
 
+def test_watchdog_fails_a_wedged_step_and_the_job_is_taken_over(svc):
+    w = svc.worker(env={"PAGEDQ_FAILPOINTS": "wedge_on_prompt=HANG",
+                        "PAGEDQ_STEP_WATCHDOG_S": "2"})
+    c = svc.client()
+    job = gen(c, "HANG here", max_tokens=10)
+    assert w.proc.wait(30) == 70  # exits instead of hanging forever
+    assert "step_wedged" in w.log()
+    svc.worker()
+    rec, _ = check_consistent(c, job)
+    assert rec.status == "finished" and rec.attempt == 2
+
+
 def test_second_sigterm_exits_at_once_first_drains(svc):
     w = svc.worker(env={"PAGEDQ_FAILPOINTS": "step_sleep_s=0.05", "PAGEDQ_DRAIN_TIMEOUT_S": "60"})
     c = svc.client()

@@ -49,9 +49,10 @@ class WorkerProc:
             time.sleep(0.1)
         raise TimeoutError(f"worker not ready in {timeout}s:\n{self.log()}")
 
-    def log(self) -> str:
+    def log(self, tail: int | None = 5000) -> str:
         with open(self.log_path, errors="replace") as f:
-            return f.read()[-5000:]
+            text = f.read()
+        return text[-tail:] if tail else text
 
     def signal(self, sig: int) -> None:
         if self.proc and self.proc.poll() is None:

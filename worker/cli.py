@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--worker-id", default=None,
                    help="stable consumer name; a restarted worker with the same id re-reads its own pending jobs")
     w.add_argument("--log-level", default="info")
+    w.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (default: $PAGEDQ_METRICS_PORT, 0 = off)")
     w.set_defaults(func=cmd_worker)
 
     d = sub.add_parser("demo", help="embedded Redis + CPU worker + a few streamed jobs")
@@ -72,6 +74,8 @@ def settings_from(args: argparse.Namespace):
         over["redis_url"] = args.redis_url
     if args.prefix:
         over["prefix"] = args.prefix
+    if getattr(args, "metrics_port", None) is not None:
+        over["metrics_port"] = args.metrics_port
     if getattr(args, "model", None):
         over["model"] = served_name(args.model, getattr(args, "served_name", None))
     elif getattr(args, "served_name", None):
