@@ -138,7 +138,7 @@ class Client:
         self._scripts = register(self.redis)
 
     # -- submit
-    def submit(self, prompt: str | None = None, *, messages: list[Any] | None = None,
+    def submit(self, prompt: str | list[int] | None = None, *, messages: list[Any] | None = None,
                model: str | None = None, max_tokens: int | None = None,
                temperature: float | None = None, top_p: float | None = None,
                top_k: int | None = None, seed: int | None = None,

@@ -43,7 +43,8 @@ class JobRequest(BaseModel):
     v: Literal[1] = SCHEMA_VERSION
     id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")] | None = None
     model: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,128}$")] = "smollm2"
-    prompt: str | None = None
+    # text, or token ids (as OpenAI's completions API allows) for clients that tokenize
+    prompt: str | list[Annotated[int, Field(ge=0, lt=2**31)]] | None = None
     messages: list[ChatMessage] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] = 128
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
@@ -75,7 +76,12 @@ class JobRequest(BaseModel):
     def _check(self) -> JobRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of 'prompt' or 'messages' is required")
-        if self.prompt is not None:
+        if isinstance(self.prompt, list):
+            if not self.prompt:
+                raise ValueError("prompt is empty")
+            if len(self.prompt) > MAX_PROMPT_CHARS // 4:
+                raise ValueError(f"prompt longer than {MAX_PROMPT_CHARS // 4} tokens")
+        elif self.prompt is not None:
             if not self.prompt.strip():
                 raise ValueError("prompt is empty")
             if len(self.prompt) > MAX_PROMPT_CHARS:

@@ -137,6 +137,8 @@ def req_hash(body: str) -> str:
 
 def queued_tokens_of(req: JobRequest) -> int:
     """The backpressure weight of a job: prompt chars / 4 (rough tokens) + max_tokens."""
+    if isinstance(req.prompt, list):
+        return len(req.prompt) + req.max_tokens
     chars = len(req.prompt) if req.prompt is not None else sum(
         len(m.content) for m in req.messages or [])
     return chars // 4 + req.max_tokens
@@ -208,7 +210,7 @@ def _describe(e: ValidationError) -> str:
     return "invalid job request: " + "; ".join(parts)
 
 
-def build_request(prompt: str | None, messages: list[Any] | None, model: str,
+def build_request(prompt: str | list[int] | None, messages: list[Any] | None, model: str,
                   job_id: str | None, explicit: dict[str, Any],
                   params: dict[str, Any]) -> JobRequest:
     """``explicit`` are the named keyword arguments (None = the schema default); ``params``

@@ -47,10 +47,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights from config.json alone (benchmarks)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    kw = {"device": args.device, "dtype": args.dtype}
+    kw = {"device": args.device, "dtype": args.dtype, "load_format": args.load_format}
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                  "block_size"):
         v = getattr(args, name)

@@ -51,6 +51,7 @@ class Worker:
         self.refresh_script = self.r.register_script(lua.REFRESH)
         self.jobs: dict[str, Job] = {}
         self.preemptions_seen = 0
+        self.steps = self.intake_round_trips = 0  # for bench/service.py
         self._stopping = False
         self._next_beat = self._next_reclaim = self._next_metrics = 0.0
         self._redis_retry_at = 0.0
@@ -94,13 +95,16 @@ class Worker:
         finally:
             self.watchdog.stop()
             self.publisher.stop()
-            self.log.info("worker_stopped")
+            self.log.info("worker_stopped", steps=self.steps,
+                          publish_round_trips=self.publisher.rounds,
+                          intake_round_trips=self.intake_round_trips)
 
     def _step(self) -> None:
         self.watchdog.step_begins()
         faults.on_step()
         outs = self.engine.step()
         self.watchdog.step_ends()
+        self.steps += 1
         self._emit(outs)
         self.publisher.check_cancels(list(self.jobs))
 
@@ -187,6 +191,7 @@ class Worker:
             if room <= 0:
                 return True
         block = None if self.engine.has_unfinished() else 500
+        self.intake_round_trips += 1
         resp = self.r.xreadgroup(GROUP, self.worker_id, {self.stream: ">"}, count=room,
                                  block=block)
         for _stream, entries in resp or []:
@@ -207,6 +212,7 @@ class Worker:
         if job_id in self.jobs:  # already running here (claimed back by our own refresh)
             return
         jlog = self.log.bind(job_id=job_id)
+        self.intake_round_trips += 1
         res = self._start(keys=[self.keys.job(job_id), self.keys.queued_tokens(self.model),
                                 self.keys.queued_jobs(self.model)],
                           args=[self.worker_id, f"{time.time():.6f}", self.model,
@@ -228,7 +234,7 @@ class Worker:
             jlog.info("job_expired")
             self._final(job, "expired", "deadline")
             return
-        faults.on_admit(req.prompt or " ".join(m.content for m in req.messages or []))
+        faults.on_admit(str(req.prompt or " ".join(m.content for m in req.messages or [])))
         try:
             messages = [m.model_dump() for m in req.messages] if req.messages else None
             job.prompt_tokens = self.engine.add_request(

