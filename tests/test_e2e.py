@@ -164,3 +164,12 @@ def test_metrics_endpoint_and_json_logs_without_prompts(service):
     events = [json.loads(x) for x in log.splitlines() if x.startswith("{")]
     done = [e for e in events if e.get("event") == "job_done" and e.get("job_id") == jid]
     assert done and done[0]["worker_id"] == w.worker_id and done[0]["status"] == "finished"
+
+
+def test_token_id_prompts_and_out_of_vocab_ids(service):
+    client, _w = service
+    ok = client.submit([504, 3458, 282, 4649, 314], max_tokens=4, temperature=0.0, ignore_eos=True)
+    bad = client.submit([1, 2, 10**9], max_tokens=4)
+    assert client.result(ok, timeout=120).usage.prompt_tokens == 5
+    rec = client.result(bad, timeout=120)
+    assert rec.status == "failed" and "token ids" in rec.error
