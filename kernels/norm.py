@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.layout import FLOAT
+
 
 @triton.jit
 def _rms_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, eps, s_x, s_r,
@@ -28,11 +30,10 @@ def _rms_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, eps, s_x, s_r,
     tl.store(y_ptr + row * H + offs, (xf * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _rows(name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if x.dtype not in _FLOAT or weight.dtype not in _FLOAT:
+    if x.dtype not in FLOAT or weight.dtype not in FLOAT:
         raise ValueError(f"{name}: need fp16/bf16/fp32, got x {x.dtype}, weight {weight.dtype}")
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"{name}: weight must be [H={x.shape[-1] if x.dim() else '?'}], "
@@ -68,7 +69,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual)."""
     x2 = _rows("fused_add_rms_norm", x, weight)
-    if residual.shape != x.shape or residual.dtype not in _FLOAT \
+    if residual.shape != x.shape or residual.dtype not in FLOAT \
             or residual.device != x.device:
         raise ValueError(f"fused_add_rms_norm: residual {tuple(residual.shape)} "
                          f"{residual.dtype} must match x {tuple(x.shape)} on {x.device}")

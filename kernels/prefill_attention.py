@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.layout import check_paged_qkv
+
 _LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": padded rows never make inf - inf
 
@@ -101,8 +103,6 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr, qk_s
              mask=rmask[:, None])
 
 
-_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
-_CACHE = _FLOAT + (torch.float8_e4m3fn,)
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> None:
@@ -111,24 +111,7 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> None:
 
     if q.dim() != 3:
         bad(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        bad("k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    _, hq, d = q.shape
-    _, bs, hkv, dk = k_cache.shape
-    if q.dtype not in _FLOAT or k_cache.dtype not in _CACHE or v_cache.dtype != k_cache.dtype:
-        bad(f"dtypes q={q.dtype} k={k_cache.dtype} v={v_cache.dtype}; need q fp16/bf16/fp32, "
-            "caches fp16/bf16/fp32/float8_e4m3fn and k_cache.dtype == v_cache.dtype")
-    if dk != d or d < 16 or d > 256 or d & (d - 1):
-        bad(f"head_dim must match (q {d}, cache {dk}) and be a power of 2 in [16, 256]")
-    if bs < 1 or bs & (bs - 1):
-        bad(f"block_size must be a power of 2, got {bs}")
-    if hkv == 0 or hq % hkv:
-        bad(f"Hq={hq} must be a multiple of Hkv={hkv}")
-    if q.stride(2) != 1:
-        bad("q's last dim must be contiguous")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        bad("k_cache and v_cache must be contiguous")
+    hq, d, bs, hkv = check_paged_qkv(bad, q, k_cache, v_cache)
     B = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if seq_lens.dtype != torch.int32 or B < 0 or not seq_lens.is_contiguous():
         bad(f"seq_lens must be contiguous int32 [B], got {seq_lens.dtype} "

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.layout import FLOAT
+
 
 @triton.jit
 def _rot_heads(x_ptr, t, s_t, s_h, cos, sin, NH: tl.constexpr, NH_PAD: tl.constexpr,
@@ -41,7 +43,6 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, s_qt, s_qh, s_kt, s_kh,
     _rot_heads(k_ptr, t, s_kt, s_kh, cos, sin, HK, HK_PAD, HALF)
 
 
-_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -55,7 +56,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         bad(f"q [T, Hq, D] and k [T, Hkv, D] must share T and D, got {tuple(q.shape)} "
             f"and {tuple(k.shape)}")
     T, hq, d = q.shape
-    if q.dtype not in _FLOAT or k.dtype not in _FLOAT:
+    if q.dtype not in FLOAT or k.dtype not in FLOAT:
         bad(f"q and k must be fp16/bf16/fp32, got {q.dtype} and {k.dtype}")
     if d < 2 or d & (d - 1):
         bad(f"head_dim must be a power of 2, got {d}")

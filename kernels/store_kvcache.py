@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.layout import CACHE, FLOAT
+
 
 @triton.jit
 def _store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, s_kt, s_vt, k_inv, v_inv,
@@ -32,8 +34,6 @@ def _store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, s_kt, s_vt, k_inv, v_i
     tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
-_CACHE = _FLOAT + (torch.float8_e4m3fn,)
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -54,8 +54,8 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     T, h, d = key.shape
     if k_cache.shape[2:] != (h, d):
         bad(f"key rows [Hkv={h}, D={d}] do not match the cache's {tuple(k_cache.shape[2:])}")
-    if key.dtype not in _FLOAT or value.dtype not in _FLOAT \
-            or k_cache.dtype not in _CACHE or v_cache.dtype not in _CACHE:
+    if key.dtype not in FLOAT or value.dtype not in FLOAT \
+            or k_cache.dtype not in CACHE or v_cache.dtype not in CACHE:
         bad(f"dtypes key={key.dtype} value={value.dtype} k_cache={k_cache.dtype} "
             f"v_cache={v_cache.dtype}; need fp16/bf16/fp32 inputs, caches also float8_e4m3fn")
     for name, x in (("key", key), ("value", value)):
