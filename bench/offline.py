@@ -76,6 +76,7 @@ def run(engine, prompts, params) -> dict:
     peak_waste = 0.0
     bs = engine.config.block_size
     t0 = time.perf_counter()
+    wait0 = engine.device_wait_s
     while engine.has_unfinished():
         out_tokens += len(engine.step())
         steps += 1
@@ -87,7 +88,8 @@ def run(engine, prompts, params) -> dict:
             if a:
                 peak_waste = max(peak_waste, 1 - h / a)
     dt = time.perf_counter() - t0
-    return dict(seconds=dt, output_tokens=out_tokens, steps=steps,
+    return dict(seconds=dt, output_tokens=out_tokens, steps=steps, ms_per_step=dt / steps * 1e3,
+                host_wait_s=engine.device_wait_s - wait0,
                 throughput_tok_s=out_tokens / dt,
                 kv_waste_mean=(1 - held / alloc) if alloc else 0.0, kv_waste_peak=peak_waste)
 
@@ -100,6 +102,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--no-async", action="store_true", help="synchronous scheduling")
     ap.add_argument("--disable", default="", help="kernels to replace by their torch twins")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None, help="folder for the JSON result")
@@ -114,17 +117,22 @@ def main() -> int:
     engine = LLMEngine(model_folder(args.shape), load_format="dummy", max_model_len=4096,
                        max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       enforce_eager=args.enforce_eager, device=args.device)
+                       enforce_eager=args.enforce_eager, device=args.device,
+                       async_scheduling=not args.no_async)
     load_s = time.perf_counter() - t
     prompts, params = workload(args.num_seqs)
     if args.smoke:  # a quick check of the script itself, e.g. on the CPU
         prompts = [p[:16] for p in prompts]
         for sp in params:
             sp.max_tokens = 16
-    engine.generate([[1] * 16] * 4, SamplingParams(max_tokens=8, ignore_eos=True),
-                    use_tqdm=False)  # warm-up
+    # warm-up: prompts of the workload's lengths (chunked prefill shapes and decode batch
+    # sizes JIT-compile here, not in the timed call), outputs clipped to 8 tokens
+    warm = [[(7 * i + j) % 10000 for j in range(len(p))] for i, p in enumerate(prompts[:32])]
+    engine.generate(warm, SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True),
+                    use_tqdm=False)
     res = run(engine, prompts, params)
     res.update(shape=args.shape, num_seqs=args.num_seqs, enforce_eager=args.enforce_eager,
+               async_scheduling=not args.no_async,
                disabled=args.disable, prompt_tokens=sum(map(len, prompts)),
                expected_output_tokens=sum(p.max_tokens for p in params),
                num_kv_blocks=engine.runner.num_kv_blocks, load_s=load_s,
@@ -135,11 +143,13 @@ def main() -> int:
     print(json.dumps(res))
     print(f"{args.shape:13s} seqs={args.num_seqs:4d} eager={args.enforce_eager!s:5s} "
           f"disabled={args.disable or '-':30s} {res['throughput_tok_s']:9.0f} tok/s "
-          f"({res['output_tokens']} tok in {res['seconds']:.2f} s, {res['steps']} steps) "
+          f"({res['output_tokens']} tok in {res['seconds']:.2f} s, {res['steps']} steps, "
+          f"{res['ms_per_step']:.2f} ms/step, host waited {res['host_wait_s']:.2f} s) "
           f"kv_waste mean={res['kv_waste_mean']:.2%} peak={res['kv_waste_peak']:.2%}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         tag = f"{args.shape}-{args.num_seqs}{'-eager' if args.enforce_eager else ''}" + \
+              ("-sync" if args.no_async else "") + \
               (f"-no-{args.disable.replace(',', '+')}" if args.disable else "")
         with open(os.path.join(args.out, f"offline-{tag}.json"), "w") as f:
             json.dump(res, f, indent=1)

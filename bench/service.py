@@ -77,13 +77,19 @@ def main() -> int:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="clip prompts/outputs to 16 tokens")
+    ap.add_argument("--offline-json", default=None,
+                    help="reuse bench/offline.py's JSON from the same session instead of rerunning it")
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    off = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline.py"), "--shape",
-                          args.shape, "--num-seqs", str(args.num_seqs)]
-                         + (["--smoke"] if args.smoke else []), env=env,
-                         capture_output=True, text=True, check=True)
-    offline = json.loads([x for x in off.stdout.splitlines() if x.startswith("{")][-1])
+    if args.offline_json:
+        with open(args.offline_json) as f:
+            offline = json.load(f)
+    else:
+        off = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline.py"),
+                              "--shape", args.shape, "--num-seqs", str(args.num_seqs)]
+                             + (["--smoke"] if args.smoke else []), env=env,
+                             capture_output=True, text=True, check=True)
+        offline = json.loads([x for x in off.stdout.splitlines() if x.startswith("{")][-1])
     prompts, params = workload(args.num_seqs)
     if args.smoke:
         prompts = [p[:16] for p in prompts]

@@ -30,8 +30,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Iterable
-from dataclasses import dataclass
 
+from engine.kv_blocks import FreeBlockQueue, KVBlock
 from engine.sequence import Sequence
 
 ROOT_HASH = 0  # parent hash of block 0
@@ -45,59 +45,6 @@ def hash_block_tokens(parent_hash: int, tokens: tuple[int, ...]) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@dataclass(slots=True, eq=False)
-class KVBlock:
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: int | None = None  # set iff this block is the entry cached[block_hash]
-    parent_hash: int | None = None  # stored with token_ids to verify hits
-    token_ids: tuple[int, ...] | None = None
-    prev: KVBlock | None = None  # free-queue links; both None iff not in the queue
-    next: KVBlock | None = None
-
-
-class FreeBlockQueue:
-    """Doubly linked list with sentinels: O(1) append, popleft and remove-from-the-middle."""
-
-    __slots__ = ("head", "tail", "size")
-
-    def __init__(self, blocks: Iterable[KVBlock]) -> None:
-        self.head, self.tail = KVBlock(-1), KVBlock(-1)
-        self.head.next, self.tail.prev = self.tail, self.head
-        self.size = 0
-        for b in blocks:
-            self.append(b)
-
-    def __len__(self) -> int:
-        return self.size
-
-    def append(self, b: KVBlock) -> None:
-        last = self.tail.prev
-        b.prev, b.next = last, self.tail
-        last.next = self.tail.prev = b
-        self.size += 1
-
-    def remove(self, b: KVBlock) -> None:
-        if b.prev is None or b.next is None:
-            raise RuntimeError(f"block {b.block_id} is not in the free queue")
-        b.prev.next, b.next.prev = b.next, b.prev
-        b.prev = b.next = None
-        self.size -= 1
-
-    def popleft(self) -> KVBlock:
-        if not self.size:
-            raise RuntimeError("no free KV block")
-        b = self.head.next
-        self.remove(b)
-        return b
-
-    def __iter__(self):
-        b = self.head.next
-        while b is not self.tail:
-            yield b
-            b = b.next
 
 
 class BlockManager:
@@ -168,10 +115,31 @@ class BlockManager:
         Returns False, changing nothing, when free blocks (evictable cached ones count) do not
         suffice. Registers every block that is full within the covered tokens.
         """
-        computed = computed_blocks or []
         bs = self.block_size
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0 (got {num_new_tokens})")
+        if not computed_blocks:  # hot path (every running request, every step): no hits
+            num_computed = seq.num_computed_tokens
+            total = num_computed + num_new_tokens
+            if total > len(seq.token_ids):
+                raise ValueError(f"{seq.request_id}: {total} tokens asked, only "
+                                 f"{len(seq.token_ids)} known")
+            table = seq.block_table
+            num_new_blocks = -(-total // bs) - len(table)
+            if num_new_blocks > 0:
+                if num_new_blocks > self.free_queue.size:
+                    return False
+                for _ in range(num_new_blocks):
+                    b = self.free_queue.popleft()
+                    self._evict(b)
+                    b.ref_cnt = 1
+                    table.append(b.block_id)
+            if self.enable_prefix_caching:
+                num_full = min(total, len(seq.token_ids) - seq.num_pending_tokens) // bs
+                if num_full > num_computed // bs:  # (inlined _num_known: most steps fill none)
+                    self._cache_full_blocks(seq, num_computed // bs, num_full)
+            return True
+        computed = computed_blocks
         if computed and (seq.block_table or seq.num_computed_tokens):
             raise ValueError(f"{seq.request_id}: computed blocks given to a sequence with blocks")
         num_computed = len(computed) * bs if computed else seq.num_computed_tokens
@@ -204,8 +172,24 @@ class BlockManager:
             b.ref_cnt = 1
             seq.block_table.append(b.block_id)
         if self.enable_prefix_caching:
-            self._cache_full_blocks(seq, num_computed // bs, total // bs)
+            self._cache_full_blocks(seq, num_computed // bs, self._num_known(seq, total) // bs)
         return True
+
+    @staticmethod
+    def _num_known(seq: Sequence, total: int) -> int:
+        """Of the first ``total`` tokens, how many precede a placeholder (sequence.py): a
+        block holding a token not yet known on the host is registered later, by
+        cache_resolved_block."""
+        return min(total, len(seq.token_ids) - seq.num_pending_tokens)
+
+    def cache_resolved_block(self, seq: Sequence) -> None:
+        """seq's last token was a placeholder when its slot was allocated and is known now:
+        register the block it completes, if that block is full and computed (its K/V is
+        written by the step in flight, which precedes any reader on the device stream)."""
+        bs, n = self.block_size, len(seq.token_ids)
+        if self.enable_prefix_caching and n % bs == 0 and seq.num_computed_tokens >= n \
+                and len(seq.block_table) * bs >= n:
+            self._cache_full_blocks(seq, n // bs - 1, n // bs)
 
     def _cache_full_blocks(self, seq: Sequence, start: int, num_full: int) -> None:
         """Register blocks [start, num_full) of seq; blocks before ``start`` were handled

@@ -23,6 +23,8 @@ class EngineConfig:
     seed: int = 0  # seed of the generator for requests without their own seed
     # "dummy": random weights from config.json alone (benchmarks: no checkpoint needed)
     load_format: str = "auto"
+    # schedule and launch step N+1 before step N's tokens reach the host (engine/pipeline.py)
+    async_scheduling: bool = True
 
     def validate(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -3,10 +3,13 @@
 One ``step()`` = schedule a token budget -> one forward pass -> sample the sequences
 that caught up -> detokenize, check stops -> free finished requests. Requests may be
 added and aborted between any two steps; a request added now joins the next step.
+With async scheduling (the default, engine/pipeline.py) a step's tokens are returned by
+the next ``step()`` call, while the device runs that next step.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,11 +17,13 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import OutputStream
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput, StepOutput
+from engine.offline import OfflineMixin
+from engine.outputs import StepOutput
+from engine.pipeline import InFlight, launch
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import PLACEHOLDER, SeqStatus, Sequence
 
 
 class _NoText:
@@ -38,7 +43,7 @@ class _Live:
     max_output: int  # params.max_tokens clipped to the context left
 
 
-class LLMEngine:
+class LLMEngine(OfflineMixin):
     def __init__(self, model: str = "smollm2", **config: Any) -> None:
         self.config = EngineConfig(**config)
         self.config.validate()
@@ -51,6 +56,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids, self.config.seed)
         self._live: dict[str, _Live] = {}
+        self._inflight: InFlight | None = None  # the step launched, not yet collected
+        self._block_size = self.config.block_size
+        self.device_wait_s = 0.0  # host time spent waiting for sampled tokens (stats)
 
     def _fit_max_model_len(self) -> int:
         """One sequence of max_model_len tokens must fit the KV cache: an explicit
@@ -154,19 +162,56 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Schedule and launch one step; return the outputs of the step before it (async
+        scheduling, engine/pipeline.py) or of this one (synchronous steps)."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._expect(prev)
         batch = self.scheduler.schedule()
-        outs = [self._overflowed(s) for s in self.scheduler.finished_in_schedule]
-        if batch.is_empty:
-            return outs
-        sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
-        logits = self.runner.execute(batch)
-        self.scheduler.update_after_step(batch)
-        if not sampling:
-            return outs
-        sampled = self.sampler(logits, sampling)
-        for seq, tok, lp in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
-            live = self._live[seq.request_id]
-            outs.append(self._advance(live, tok, lp))
+        dropped = self.scheduler.finished_in_schedule
+        cur = None
+        if not batch.is_empty:
+            cur = launch(self.runner, self.sampler, self.scheduler, batch, prev,
+                         self.config.async_scheduling)
+        outs = self._collect(prev) if prev is not None else []
+        outs += [self._overflowed(s) for s in dropped if self._is_live(s)]
+        if cur is not None:
+            if cur.is_async:
+                self._inflight = cur
+            else:
+                outs += self._collect(cur)
+        return outs
+
+    def _is_live(self, seq: Sequence) -> bool:
+        live = self._live.get(seq.request_id)
+        return live is not None and live.seq is seq
+
+    def _expect(self, prev: InFlight) -> None:
+        """Before scheduling: the rows of ``prev`` still running will get a token."""
+        max_len = self.max_model_len
+        for seq in prev.seqs:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # finished or aborted since: its token will be dropped
+            n = len(seq.token_ids) + 1
+            if n - seq.num_prompt_tokens >= self._live[seq.request_id].max_output \
+                    or n >= max_len:
+                self.scheduler.finish(seq, "length")  # certainly its last token
+            else:
+                seq.token_ids.append(PLACEHOLDER)
+                seq.num_pending_tokens = 1
+
+    def _collect(self, rec: InFlight) -> list[StepOutput]:
+        """Outputs of a launched step's tokens; rows no longer live are dropped."""
+        outs = []
+        get = self._live.get
+        lps = rec.logprobs or [None] * len(rec.seqs)
+        t0 = time.perf_counter()
+        ids = rec.token_ids()
+        self.device_wait_s += time.perf_counter() - t0
+        for seq, tok, lp in zip(rec.seqs, ids, lps, strict=True):
+            live = get(seq.request_id)
+            if live is not None and live.seq is seq:
+                outs.append(self._advance(live, tok, lp))
         return outs
 
     def _overflowed(self, seq: Sequence) -> StepOutput:
@@ -177,87 +222,32 @@ class LLMEngine:
 
     def _advance(self, live: _Live, tok: int, lp: Any) -> StepOutput:
         seq, p = live.seq, live.seq.params
-        seq.append_token(tok)
+        toks = seq.token_ids
+        if seq.num_pending_tokens:  # fill the placeholder (pipeline.py)
+            toks[-1] = tok
+            seq.num_pending_tokens = 0
+            if len(toks) % self._block_size == 0:  # it completes a block: cache that now
+                self.block_manager.cache_resolved_block(seq)
+        else:
+            toks.append(tok)
+        n_out = len(toks) - seq.num_prompt_tokens
         reason = None
         delta = ""
         by_string = False
         is_stop_token = tok in p.stop_token_ids or (tok in self.eos_token_ids and not p.ignore_eos)
-        if is_stop_token and seq.num_output_tokens >= p.min_tokens:
+        if is_stop_token and n_out >= p.min_tokens:
             reason = "stop"  # the stop token itself is not detokenized into the text
         else:
             delta, by_string = live.stream.push(tok)
             if by_string:
                 reason = "stop"
-            elif seq.num_output_tokens >= live.max_output or seq.num_tokens >= self.max_model_len:
+            elif n_out >= live.max_output or len(toks) >= self.max_model_len:
                 reason = "length"
         if reason is not None:
             if not by_string:  # release text held back as a possible stop-string prefix
                 delta += live.stream.finish()
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq, reason)  # a no-op if _expect finished it already
+            seq.finish_reason = reason
             del self._live[seq.request_id]
         return StepOutput(seq.request_id, [tok], delta, reason is not None, reason,
-                          seq.num_prompt_tokens, seq.num_output_tokens,
-                          [lp] if lp is not None else None)
-
-    # ---- offline ----------------------------------------------------------------------
-    def generate(self, prompts: list[str] | list[list[int]] | str,
-                 params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(params, list):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError("give one SamplingParams, or one per prompt")
-        ids = [f"gen-{i}" for i in range(len(prompts))]
-        state: dict[str, dict[str, Any]] = {}
-        for rid, prompt, p in zip(ids, prompts, params, strict=True):
-            plen = self.add_request(rid, prompt, p)
-            for k in range(p.n):
-                sid = rid if p.n == 1 else f"{rid}#{k}"
-                state[sid] = {"text": [], "ids": [], "lp": [], "reason": None,
-                              "prompt": self._live[sid].seq.prompt_token_ids[:plen]}
-        bar = _progress(len(state), use_tqdm)
-        while self.has_unfinished():
-            for o in self.step():
-                st = state.get(o.request_id)
-                if st is None:  # a request added through add_request, not ours
-                    continue
-                st["text"].append(o.delta)
-                st["ids"].extend(o.new_token_ids)
-                if o.logprobs:
-                    st["lp"].extend(o.logprobs)
-                if o.finished:
-                    st["reason"] = o.finish_reason
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-
-        def out(sid: str) -> RequestOutput:
-            st = state[sid]
-            return RequestOutput(sid, st["prompt"], "".join(st["text"]), st["ids"],
-                                 st["reason"], st["lp"] or None)
-
-        results = []
-        for rid, p in zip(ids, params, strict=True):
-            if p.n == 1:
-                results.append(out(rid))
-            else:
-                samples = [out(f"{rid}#{k}") for k in range(p.n)]
-                first = samples[0]
-                results.append(RequestOutput(rid, first.prompt_token_ids, first.text,
-                                             first.token_ids, first.finish_reason,
-                                             first.logprobs, samples))
-        return results
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="generate", unit="req")
+                          seq.num_prompt_tokens, n_out, [lp] if lp is not None else None)

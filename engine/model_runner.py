@@ -14,6 +14,7 @@ import torch
 
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig
+from engine.inputs import InputBuilder
 from engine.layers import ops
 from engine.layers.attention import AttentionMetadata
 from engine.loader import load_model_files, resolve_model
@@ -82,6 +83,8 @@ class ModelRunner:
             use_triton = self.device.type == "cuda" and ops.triton_available()
         ops.set_use_triton(use_triton)
 
+        self.inputs = InputBuilder(self.device, self.block_size, self.max_model_len,
+                                   2 * config.max_num_seqs)
         self.kv_cache: torch.Tensor | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded decode batch size -> graph
         self.num_kv_blocks = config.num_kv_blocks or self._profile_num_blocks()
@@ -167,57 +170,11 @@ class ModelRunner:
         return blocks
 
     # ---- one step ----------------------------------------------------------------------
-    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device,
-                                                                       non_blocking=True)
-        return torch.tensor(data, dtype=dtype)
-
-    def prepare(self, batch: ScheduledBatch):
-        """(input_ids [T], positions [T], AttentionMetadata, sample_rows [N]) for a batch.
-        Built from Python lists, one tensor creation each."""
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        cu = [0]
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            c, bt = seq.num_computed_tokens, seq.block_table
-            end = c + n
-            if n < 1 or end > seq.num_tokens:
-                raise ValueError(f"{seq.request_id}: cannot compute tokens [{c}, {end}) of "
-                                 f"{seq.num_tokens}")
-            if end > self.max_model_len:
-                raise ValueError(f"{seq.request_id}: length {end} > max_model_len "
-                                 f"{self.max_model_len}")
-            if len(bt) * bs < end:
-                raise ValueError(f"{seq.request_id}: block table covers {len(bt) * bs} "
-                                 f"tokens, needs {end}")
-            ids.extend(seq.token_ids[c:end])
-            pos.extend(range(c, end))
-            slots.extend(bt[p // bs] * bs + p % bs for p in range(c, end))
-            seq_lens.append(end)
-            cu.append(cu[-1] + n)
-            tables.append(bt[:(end + bs - 1) // bs])
-            if end == seq.num_tokens:
-                sample_rows.append(cu[-1] - 1)
-        width = max(len(t) for t in tables)
-        tables = [t + [-1] * (width - len(t)) for t in tables]
-        positions = self._tensor(pos, torch.int64)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor(tables, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            cu_seqlens_q=self._tensor(cu, torch.int32),
-            max_seqlen_q=max(batch.num_new_tokens),
-            is_decode_only=cu[-1] == len(seq_lens),
-            positions=positions,
-        )
-        return self._tensor(ids, torch.int64), positions, meta, self._tensor(sample_rows,
-                                                                             torch.int64)
+    def prepare(self, batch: ScheduledBatch, pending: dict[Sequence, int] | None = None,
+                prev_tokens: torch.Tensor | None = None):
+        """(input_ids [T], positions [T], AttentionMetadata, sample_rows [N]) for a batch;
+        see engine/inputs.py (``pending``: placeholder tokens taken from ``prev_tokens``)."""
+        return self.inputs.build(batch, pending, prev_tokens)
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
@@ -270,12 +227,14 @@ class ModelRunner:
         return st["out"][:n]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, pending: dict[Sequence, int] | None = None,
+                prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [num_sampling_seqs, vocab], for the seqs where batch.samples(i),
-        in batch order. Does not advance num_computed_tokens (the engine does)."""
+        in batch order. Does not advance num_computed_tokens (the engine does). Never
+        waits for the device: the logits are computed asynchronously on CUDA."""
         if batch.is_empty:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        input_ids, positions, meta, sample_rows = self.prepare(batch)
+        input_ids, positions, meta, sample_rows = self.prepare(batch, pending, prev_tokens)
         hidden = self._run_model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[sample_rows])
 

@@ -21,47 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling_ops import (  # noqa: F401  (re-exported: the sampler's public API)
+    _TINY,
+    SAMPLING_EPS,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    row_seed,
+    seeded_uniforms,
+)
 from engine.sequence import Sequence
-
-SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM)
-_MASK64 = (1 << 64) - 1
-_TINY = torch.finfo(torch.float32).tiny  # exponential_ may return 0; log(0) would be -inf
-_GAMMA, _C1, _C2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-def _splitmix64(z: int) -> int:
-    z = (z + _GAMMA) & _MASK64
-    z = ((z ^ (z >> 30)) * _C1) & _MASK64
-    z = ((z ^ (z >> 27)) * _C2) & _MASK64
-    return z ^ (z >> 31)
-
-
-def row_seed(seed: int, index: int) -> int:
-    """Key (63 bits) of the noise for output index ``index`` of a request seeded with ``seed``."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 1
-
-
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical shift right of int64 (torch's >> is arithmetic)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
-
-
-def seeded_uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
-    """float64 [R, n] in (0, 1): the first n SplitMix64 outputs of each int64 key, top 52 bits.
-
-    A counter-based stream in plain int64 torch ops (multiplication wraps mod 2**64), so a
-    seeded row's noise is bit-identical on CPU and CUDA, for any batch, with no per-row
-    generator launches.
-    """
-    z = keys.unsqueeze(1) + torch.arange(1, n + 1, device=keys.device) * _signed(_GAMMA)
-    z = (z ^ _lsr(z, 30)) * _signed(_C1)
-    z = (z ^ _lsr(z, 27)) * _signed(_C2)
-    z = z ^ _lsr(z, 31)
-    return (_lsr(z, 12).double() + 0.5) * 2.0**-52
 
 
 @dataclass(slots=True)
@@ -76,64 +45,6 @@ class TokenLogprobs:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    seen: torch.Tensor,
-    counts: torch.Tensor,
-    repetition: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
-) -> torch.Tensor:
-    """Penalised copy of ``logits`` [R, V].
-
-    ``seen`` bool [R, V]: token occurs in prompt or output (repetition penalty: positive
-    logits divided, negative multiplied). ``counts`` [R, V]: occurrences in the output only
-    (logit -= frequency * count + presence * (count > 0)). Penalty vectors are [R].
-    """
-    rep = repetition.unsqueeze(1)
-    scaled = torch.where(logits > 0, logits / rep, logits * rep)
-    out = torch.where(seen, scaled, logits)
-    return out - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0).to(out.dtype)
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-    k_bound: int | None = None,
-) -> torch.Tensor:
-    """Mask to -inf what top_k [R] (int, V = off) and top_p [R] (> 1 = off) remove.
-
-    Both keep a prefix of the descending order, expressed as a logit threshold, so tokens
-    tied with the last kept one are kept too (independent of sort tie-breaking). top_p keeps
-    a token iff the probability mass strictly before it (after top_k) is < p. ``k_bound``
-    (a Python int >= every top_k) lets top_k rows sort only their k_bound largest logits.
-    """
-    V = logits.shape[1]
-    if top_k is not None and k_bound is not None and k_bound < V:
-        srt = logits.topk(k_bound, dim=-1).values
-    else:
-        srt = logits.sort(dim=-1, descending=True).values
-    neg_inf = float("-inf")
-    if top_k is not None:
-        kth = srt.gather(1, (top_k - 1).clamp(0, srt.shape[1] - 1).unsqueeze(1))
-        logits = logits.masked_fill(logits < kth, neg_inf)
-        srt = srt.masked_fill(srt < kth, neg_inf)
-    if top_p is not None:
-        probs = srt.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs
-        n_keep = (before < top_p.unsqueeze(1)).sum(dim=1).clamp_min(1)
-        cutoff = srt.gather(1, (n_keep - 1).unsqueeze(1))
-        logits = logits.masked_fill(logits < cutoff, neg_inf)
-    return logits
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Remove tokens with prob < min_p * max prob, i.e. logit < max logit + log(min_p)."""
-    thresh = logits.amax(dim=1, keepdim=True) + torch.log(min_p).unsqueeze(1)
-    return logits.masked_fill(logits < thresh, float("-inf"))
 
 
 class Sampler:
@@ -154,6 +65,19 @@ class Sampler:
         return self._gens[key]
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        tokens, raw, lp_rows = self._tokens(logits, seqs)
+        ids = tokens.tolist()
+        out_lp: list[TokenLogprobs | None] = [None] * len(seqs)
+        if lp_rows:
+            self._logprobs(raw, tokens, ids, seqs, lp_rows, out_lp)
+        return SamplerOutput(token_ids=ids, logprobs=out_lp)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Token ids [R] int64 on the logits' device, the same as ``__call__``'s, without
+        waiting for the device (every host->device copy is non-blocking). No logprobs."""
+        return self._tokens(logits, seqs)[0]
+
+    def _tokens(self, logits: torch.Tensor, seqs: list[Sequence]):
         V = self.vocab_size
         if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] < V:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} rows x {V}")
@@ -170,7 +94,7 @@ class Sampler:
             p = s.params
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 pen_rows.append(i)
-            if s.num_output_tokens < p.min_tokens:  # under ignore_eos, EOS stops nothing
+            if p.min_tokens and s.num_output_tokens < p.min_tokens:  # ignore_eos: EOS stops nothing
                 eos = frozenset() if p.ignore_eos else self.eos_token_ids
                 banned = eos.union(t for t in p.stop_token_ids if 0 <= t < V)
                 mask_r.extend([i] * len(banned))
@@ -182,6 +106,8 @@ class Sampler:
 
         if not (pen_rows or mask_r or rand_rows):
             tokens = raw.argmax(dim=-1)  # fast path: all greedy, nothing to modify
+        elif not (pen_rows or mask_r) and len(rand_rows) == len(seqs):
+            tokens = self._sample(raw, seqs)  # fast path: all random (_sample copies first)
         else:
             x = raw.clone()
             if pen_rows:
@@ -192,12 +118,7 @@ class Sampler:
             if rand_rows:
                 idx = _t(rand_rows, dev)
                 tokens[idx] = self._sample(x[idx], [seqs[i] for i in rand_rows])
-
-        ids = tokens.tolist()
-        out_lp: list[TokenLogprobs | None] = [None] * len(seqs)
-        if lp_rows:
-            self._logprobs(raw, tokens, ids, seqs, lp_rows, out_lp)
-        return SamplerOutput(token_ids=ids, logprobs=out_lp)
+        return tokens, raw, lp_rows
 
     def _penalised(self, x: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
         V, dev = self.vocab_size, x.device
@@ -232,15 +153,15 @@ class Sampler:
         seen[pr_r, pr_t] = True
         counts, seen = counts[:, :V], seen[:, :V]
         params = [seqs[i].params for i in rows]
-        rep = torch.tensor([p.repetition_penalty for p in params], device=dev)
-        pres = torch.tensor([p.presence_penalty for p in params], device=dev)
-        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)
+        rep = _f([p.repetition_penalty for p in params], dev)
+        pres = _f([p.presence_penalty for p in params], dev)
+        freq = _f([p.frequency_penalty for p in params], dev)
         return apply_penalties(x[_t(rows, dev)], seen, counts, rep, pres, freq)
 
     def _sample(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         V, dev = self.vocab_size, x.device
         ps = [s.params for s in seqs]
-        x = x / torch.tensor([p.temperature for p in ps], device=dev).unsqueeze(1)
+        x = x / _f([p.temperature for p in ps], dev).unsqueeze(1)  # a new tensor: x is ours
         ks = [p.top_k if 0 < p.top_k < V else V for p in ps]
         tps = [p.top_p if p.top_p < 1.0 else 2.0 for p in ps]
         sub = [j for j in range(len(ps)) if ks[j] < V or tps[j] <= 1.0]
@@ -250,17 +171,20 @@ class Sampler:
             x[idx] = apply_top_k_top_p(
                 x[idx],
                 _t(k_sub, dev) if min(k_sub) < V else None,
-                torch.tensor(p_sub, device=dev) if min(p_sub) <= 1.0 else None,
+                _f(p_sub, dev) if min(p_sub) <= 1.0 else None,
                 k_bound=max(k_sub),
             )
         if any(p.min_p > 0 for p in ps):
-            x = apply_min_p(x, torch.tensor([p.min_p for p in ps], device=dev))
-        return (x + self._gumbel(seqs, V, dev)).argmax(dim=-1)
+            x = apply_min_p(x, _f([p.min_p for p in ps], dev))
+        return x.add_(self._gumbel(seqs, V, dev)).argmax(dim=-1)
 
     def _gumbel(self, seqs: list[Sequence], V: int, dev: torch.device) -> torch.Tensor:
         """Gumbel noise -log(E), E ~ Exp(1); argmax(logits + noise) samples softmax(logits)."""
         unseeded = [j for j, s in enumerate(seqs) if s.params.seed is None]
         seeded = [j for j, s in enumerate(seqs) if s.params.seed is not None]
+        if not seeded:  # the common case: the noise tensor itself, no row scatter
+            e = torch.empty(len(seqs), V, device=dev).exponential_(generator=self._gen(dev))
+            return e.clamp_min_(_TINY).log_().neg_()
         g = torch.empty(len(seqs), V, device=dev)
         if unseeded:
             e = torch.empty(len(unseeded), V, device=dev).exponential_(generator=self._gen(dev))
@@ -296,8 +220,21 @@ def _in_vocab(ids: torch.Tensor, V: int) -> torch.Tensor:
 
 
 def _t(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor on device; on CUDA through pinned memory, non-blocking (a plain
+    torch.tensor(..., device=cuda) waits for all queued device work)."""
     if len(values) < 512:
-        return torch.tensor(values, dtype=torch.long, device=device)
-    # array -> frombuffer is ~5x faster than torch.tensor(list) for long token lists
-    return torch.frombuffer(array("q", values), dtype=torch.long).to(device)
+        host = torch.tensor(values, dtype=torch.long)
+    else:  # array -> frombuffer is ~5x faster than torch.tensor(list) for long token lists
+        host = torch.frombuffer(array("q", values), dtype=torch.long)
+    return _to(host, device)
 
+
+def _f(values: list[float], device: torch.device) -> torch.Tensor:
+    """float32 tensor on device, like _t."""
+    return _to(torch.tensor(values, dtype=torch.float32), device)
+
+
+def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

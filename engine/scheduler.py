@@ -22,7 +22,9 @@ waiting requests are admitted in (-priority, arrival) order while budget, seats
 
 Call order per step: schedule() -> run the model -> update_after_step() -> append the
 sampled tokens -> finish()/abort(). finish/abort must not run between schedule() and
-update_after_step(): the batch still refers to the sequences' block tables.
+update_after_step(): the batch still refers to the sequences' block tables. With async
+scheduling (engine/pipeline.py) update_after_step() runs as soon as the step is launched,
+and the sampled tokens arrive one call later (as placeholders meanwhile).
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from engine.batch import ScheduledBatch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sequence import SeqStatus, Sequence
+
+RUNNING = SeqStatus.RUNNING
 
 
 def _priority_key(s: Sequence) -> tuple[int, int]:
@@ -156,23 +160,27 @@ class Scheduler:
         self.finished_in_schedule = []
         budget = cfg.max_num_batched_tokens
 
+        # hot loop (every running request, every step): locals, no property calls
+        running, capacity, chunked = RUNNING, bm.capacity_tokens, cfg.enable_chunked_prefill
+        allocate, seqs, counts = bm.allocate_slots, batch.seqs, batch.num_new_tokens
         for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this loop
-            if self._drop_overflow(seq):
+            num_tokens = len(seq.token_ids)
+            if num_tokens > capacity and self._drop_overflow(seq):
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n <= 0 or (not cfg.enable_chunked_prefill and
-                          n < seq.num_tokens - seq.num_computed_tokens):
+            left = num_tokens - seq.num_computed_tokens
+            n = left if left < budget else budget
+            if n <= 0 or (n < left and not chunked):
                 continue
-            while not bm.allocate_slots(seq, n):
+            while not allocate(seq, n):
                 victim = max(self.running, key=_priority_key)
                 budget += self._preempt(victim, batch)
                 if victim is seq:
                     break
             else:
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
+                seqs.append(seq)
+                counts.append(n)
                 budget -= n
 
         while not batch.preempted and self.waiting and budget > 0 and \
@@ -200,13 +208,15 @@ class Scheduler:
         """Advance num_computed_tokens by what ran; returns the sequences that sample now
         (computed == num_tokens), i.e. those for which batch.samples(i) was True."""
         sampling = []
+        running = RUNNING
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not running:
                 continue
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens > seq.num_tokens:
-                raise RuntimeError(f"{seq.request_id}: computed {seq.num_computed_tokens} "
-                                   f"> {seq.num_tokens} tokens")
-            if seq.num_computed_tokens == seq.num_tokens:
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+            num_tokens = len(seq.token_ids)
+            if computed >= num_tokens:
+                if computed > num_tokens:
+                    raise RuntimeError(f"{seq.request_id}: computed {computed} "
+                                       f"> {num_tokens} tokens")
                 sampling.append(seq)
         return sampling

@@ -5,6 +5,13 @@ hands a request ``num_new_tokens`` so that computed catches up with ``token_ids`
 request whose computed tokens equal its tokens after a step samples one new token.
 Prefill, chunked prefill, prefix-cache hits, decode and recompute after preemption are
 all the same loop.
+
+Async scheduling (engine/pipeline.py): while the step that sampled a sequence's newest
+token is still on the device, ``token_ids`` may end with ONE ``PLACEHOLDER`` entry and
+``num_pending_tokens == 1``; its value lives only in that step's device tensor. Counts
+(num_tokens, num_output_tokens) include it; nothing may read its value on the host (the
+block manager never hashes it, the runner feeds it from the device). It is always the
+last entry, and it is filled in before the engine publishes anything for the sequence.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ from enum import Enum
 from engine.sampling_params import SamplingParams
 
 _arrival = itertools.count()
+PLACEHOLDER = -1  # token_ids entry of a sampled token not yet copied to the host
 
 
 class SeqStatus(Enum):
@@ -44,6 +52,7 @@ class Sequence:
     # tokens already produced before this Sequence existed (crash resume): they are part
     # of token_ids but count as output for max_tokens / penalties.
     num_resumed_output: int = 0
+    num_pending_tokens: int = 0  # 0 or 1: trailing PLACEHOLDER entries (see module doc)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
