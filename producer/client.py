@@ -132,9 +132,10 @@ class Client:
         self.settings = settings or Settings()
         self.keys = Keys(prefix or self.settings.prefix)
         self.model = check_name("model", model or self.settings.model)
-        self.redis = redis.Redis.from_url(redis_url or self.settings.redis_url,
-                                          decode_responses=True,
-                                          socket_timeout=SOCKET_TIMEOUT_S)
+        self.redis = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
+            redis_url or self.settings.redis_url, decode_responses=True, timeout=None,
+            max_connections=self.settings.client_max_connections,
+            socket_timeout=SOCKET_TIMEOUT_S))
         self._scripts = register(self.redis)
 
     # -- submit

@@ -17,6 +17,10 @@ class Settings(BaseSettings):
     prefix: str = "pagedq"
     model: str = "smollm2"  # served model name = jobs stream name
 
+    # clients: each concurrent stream()/result() wait holds one connection; past this many
+    # a call waits for a free connection (redis-py's own default, 100, raises instead)
+    client_max_connections: int = Field(1024, ge=1)
+
     # results and event logs
     result_ttl_s: int = Field(86400, ge=1)  # job hash + out stream TTL after the job ends
     out_maxlen: int = Field(10000, ge=10)  # approximate cap of a job's out stream
