@@ -106,6 +106,12 @@ class Publisher:
     def _run(self) -> None:
         while not self._stop.is_set():
             items = [self._q.get()]
+            first = items[0]
+            if (self.s.coalesce_ms > 0 and first[0] == "tok"
+                    and len(first[1]) >= self.s.coalesce_min_batch):
+                # a large batch: hold its deltas a few ms so the next steps' merge into
+                # the same events (fewer, larger events; bounded added latency)
+                time.sleep(self.s.coalesce_ms / 1000.0)
             while True:
                 try:
                     items.append(self._q.get_nowait())
