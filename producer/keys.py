@@ -76,12 +76,6 @@ class Keys:
         """Exact count of jobs submitted and not yet taken out of 'queued' (backpressure)."""
         return f"{self.base}:qjobs:{model}"
 
-    def batch(self, batch_id: str) -> str:
-        return f"{self.base}:batch:{batch_id}"
-
-    def batch_jobs(self, batch_id: str) -> str:
-        return f"{self.base}:batch:{batch_id}:jobs"
-
 
 def out_entry_id(index: int) -> str:
     """Event ``index`` of a job lives at stream id ``0-(index+1)``.

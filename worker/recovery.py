@@ -45,7 +45,3 @@ def reclaim(r: redis.Redis, stream: str, consumer: str, lease_s: float, count: i
         out.append(Claimed(entry_id, None, 0))
     return next_cursor, out
 
-
-def oldest_pending_age_s(r: redis.Redis, stream: str) -> float:
-    rows = r.xpending_range(stream, GROUP, min="-", max="+", count=1)
-    return rows[0]["time_since_delivered"] / 1000.0 if rows else 0.0
