@@ -60,7 +60,19 @@ def _tok_info(tokenizer) -> _TokInfo:
 
 
 @dataclass(slots=True, init=False, eq=False, repr=False)
-class IncrementalDetokenizer:
+class _Emitted:
+    """All text emitted so far, kept as pieces and joined lazily (push stays O(1))."""
+
+    _pieces: list[str]
+
+    @property
+    def text(self) -> str:
+        joined = "".join(self._pieces)
+        self._pieces = [joined] if joined else []
+        return joined
+
+
+class IncrementalDetokenizer(_Emitted):
     _decode: Callable[..., str]
     _concat: bool
     _skip: bool
@@ -131,11 +143,6 @@ class IncrementalDetokenizer:
             self._pieces.append(delta)
         return delta
 
-    @property
-    def text(self) -> str:
-        joined = "".join(self._pieces)
-        self._pieces = [joined] if joined else []
-        return joined
 
 
 @dataclass(slots=True, init=False, eq=False)
@@ -190,7 +197,7 @@ class StopChecker:
 
 
 @dataclass(slots=True, init=False, eq=False, repr=False)
-class OutputStream:
+class OutputStream(_Emitted):
     """Detokenizer + stop strings of one sequence; ``text`` == concatenation of all deltas."""
 
     _detok: IncrementalDetokenizer
@@ -232,8 +239,3 @@ class OutputStream:
             self._pieces.append(out)
         return out
 
-    @property
-    def text(self) -> str:
-        joined = "".join(self._pieces)
-        self._pieces = [joined] if joined else []
-        return joined
