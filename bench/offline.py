@@ -67,6 +67,19 @@ def model_folder(shape: str) -> str:
     return folder
 
 
+def triton_variants() -> int:
+    """Number of Triton kernel variants compiled (or loaded from the disk cache) so far in
+    this process. A compile inside the timed call costs seconds; the bench reports it."""
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("kernels.") or mod is None:
+            continue
+        for obj in vars(mod).values():
+            for entry in getattr(obj, "device_caches", {}).values():
+                n += len(entry[0])  # (kernel_cache, ...) in triton 3.x
+    return n
+
+
 def run(engine, prompts, params) -> dict:
     """generate() by hand so KV waste can be sampled between steps."""
     for k, (p, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -102,6 +115,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--no-async", action="store_true", help="synchronous scheduling")
     ap.add_argument("--disable", default="", help="kernels to replace by their torch twins")
     ap.add_argument("--device", default="auto")
@@ -118,7 +132,7 @@ def main() -> int:
                        max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enforce_eager=args.enforce_eager, device=args.device,
-                       async_scheduling=not args.no_async)
+                       async_scheduling=not args.no_async, kv_cache_dtype=args.kv_cache_dtype)
     load_s = time.perf_counter() - t
     prompts, params = workload(args.num_seqs)
     if args.smoke:  # a quick check of the script itself, e.g. on the CPU
@@ -130,9 +144,11 @@ def main() -> int:
     warm = [[(7 * i + j) % 10000 for j in range(len(p))] for i, p in enumerate(prompts[:32])]
     engine.generate(warm, SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True),
                     use_tqdm=False)
+    compiled = triton_variants()
     res = run(engine, prompts, params)
+    res["triton_compiles_in_timed_run"] = triton_variants() - compiled
     res.update(shape=args.shape, num_seqs=args.num_seqs, enforce_eager=args.enforce_eager,
-               async_scheduling=not args.no_async,
+               async_scheduling=not args.no_async, kv_cache_dtype=args.kv_cache_dtype,
                disabled=args.disable, prompt_tokens=sum(map(len, prompts)),
                expected_output_tokens=sum(p.max_tokens for p in params),
                num_kv_blocks=engine.runner.num_kv_blocks, load_s=load_s,
@@ -141,15 +157,17 @@ def main() -> int:
     if args.shape in PHYSICAL_LIMIT and res["device"] != "cpu":
         res["fraction_of_limit"] = res["throughput_tok_s"] / PHYSICAL_LIMIT[args.shape]
     print(json.dumps(res))
-    print(f"{args.shape:13s} seqs={args.num_seqs:4d} eager={args.enforce_eager!s:5s} "
+    print(f"{args.shape:13s} seqs={args.num_seqs:4d} kv={args.kv_cache_dtype:4s} eager={args.enforce_eager!s:5s} "
           f"disabled={args.disable or '-':30s} {res['throughput_tok_s']:9.0f} tok/s "
           f"({res['output_tokens']} tok in {res['seconds']:.2f} s, {res['steps']} steps, "
           f"{res['ms_per_step']:.2f} ms/step, host waited {res['host_wait_s']:.2f} s) "
-          f"kv_waste mean={res['kv_waste_mean']:.2%} peak={res['kv_waste_peak']:.2%}")
+          f"kv_waste mean={res['kv_waste_mean']:.2%} peak={res['kv_waste_peak']:.2%} "
+          f"triton compiles in timed run={res['triton_compiles_in_timed_run']}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         tag = f"{args.shape}-{args.num_seqs}{'-eager' if args.enforce_eager else ''}" + \
               ("-sync" if args.no_async else "") + \
+              ("-fp8" if args.kv_cache_dtype == "fp8" else "") + \
               (f"-no-{args.disable.replace(',', '+')}" if args.disable else "")
         with open(os.path.join(args.out, f"offline-{tag}.json"), "w") as f:
             json.dump(res, f, indent=1)

@@ -17,7 +17,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda if available else cpu
-    kv_cache_dtype: str = "auto"  # auto = model dtype; "fp8" (CUDA only)
+    kv_cache_dtype: str = "auto"  # auto = model dtype; "fp8" = float8_e4m3fn, unit scale
     enforce_eager: bool = False  # disable CUDA graphs
     use_triton: bool | None = None  # None: Triton kernels on CUDA, reference path on CPU
     seed: int = 0  # seed of the generator for requests without their own seed

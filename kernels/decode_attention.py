@@ -23,7 +23,9 @@ _LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a fully masked row never makes inf - inf
 
 
-@triton.jit
+# Step-varying arguments are not specialised (see prefill_attention._prefill_kernel).
+@triton.jit(do_not_specialize=["s_btb", "splits"],
+            do_not_specialize_on_alignment=["bt_ptr", "lens_ptr"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
                    qk_scale, v_scale,
                    s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb, s_ob, s_oh,
@@ -91,7 +93,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse
         tl.store(lse_ptr + row, lse, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _reduce_kernel(part_ptr, lse_ptr, out_ptr, s_ob, s_oh, splits,
                    HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr):
     b = tl.program_id(0)

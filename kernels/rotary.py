@@ -30,7 +30,8 @@ def _rot_heads(x_ptr, t, s_t, s_h, cos, sin, NH: tl.constexpr, NH_PAD: tl.conste
     tl.store(p1 + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
 
 
-@triton.jit
+# positions is a slice of a packed buffer: its alignment changes with T (no new variant).
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])
 def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, s_qt, s_qh, s_kt, s_kh,
                    HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr,
                    HK_PAD: tl.constexpr, HALF: tl.constexpr):

@@ -15,7 +15,9 @@ import triton.language as tl
 from kernels.layout import CACHE, FLOAT
 
 
-@triton.jit
+# slot_mapping is a slice of a packed buffer: its alignment changes with T, which must not
+# compile a new variant mid-run.
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, s_kt, s_vt, k_inv, v_inv,
                   ROW: tl.constexpr, BLOCK: tl.constexpr, SCALED: tl.constexpr):
     t = tl.program_id(0)
