@@ -1,7 +1,10 @@
 """Paged decode attention: achieved KV-read GB/s vs copy bandwidth and vs torch SDPA on the
 same data laid out contiguously (BENCHMARKS.md section 3). CUDA only.
 
-    PYTHONPATH=. python bench/kernels.py [--out DIR] [--sweep] [--quick] [--dry-run]
+    PYTHONPATH=. python bench/kernels.py [--out DIR] [--sweep] [--fp8-sweep] [--quick] [--dry-run]
+
+--fp8-sweep: the same target points with a float8_e4m3fn cache (half the bytes), over the
+kernel's knobs; time against the bf16 cache's default config on the same data.
 
 --dry-run: a smoke test of this script on the CPU (Triton interpreter, tiny shapes, wall
 clock): its numbers mean nothing.
@@ -186,11 +189,39 @@ HEADER = (" GQA    B      L  spl  paged_us  paged_GB/s  /copy   sdpa_us  sdpa_GB
           "ratio  relerr")
 
 
+def fp8_sweep(p: Point, B: int, L: int, deadline: float) -> list[dict]:
+    """Decode on a float8_e4m3fn copy of the point's cache, default knobs and a grid."""
+    kc8, vc8 = p.kc.to(torch.float8_e4m3fn), p.vc.to(torch.float8_e4m3fn)
+    scale, out = D ** -0.5, []
+
+    def timed(kc, vc, **knobs):
+        it = itertools.cycle(p.sets)
+
+        def f():
+            q, bt, lens, _, _ = next(it)
+            return decode_launch(q, kc, vc, bt, lens, scale, **knobs)
+        return bench(f, 40)
+    bf16_us = timed(p.kc, p.vc) * 1e3
+    grid = [{}] + [dict(block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp)
+                   for (bn, nw, ns), sp in itertools.product(
+                       ((64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 4, 4), (256, 8, 3),
+                        (64, 4, 5)), (1, 2, 4, 8))]
+    for knobs in grid:
+        if time.monotonic() > deadline:
+            break
+        us = timed(kc8, vc8, **knobs) * 1e3
+        out.append(dict(B=B, L=L, knobs=",".join(f"{k}={v}" for k, v in knobs.items())
+                        or "default", us=us, GBps=kv_bytes(8, B, L) / 2 / us / 1e3,
+                        bf16_us=bf16_us))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--sweep", action="store_true", help="tune knobs at the target points")
     ap.add_argument("--quick", action="store_true", help="targets only")
+    ap.add_argument("--fp8-sweep", action="store_true", help="fp8 cache: knobs at the targets")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="stop measuring after this many seconds, then report (0: no limit)")
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test (see doc)")
@@ -248,6 +279,10 @@ def main() -> int:
             result["sweep"].append(r)
         del p
         save()
+    for B, L in TARGETS if args.fp8_sweep else ():
+        result.setdefault("fp8_sweep", []).extend(fp8_sweep(make_point(16, 8, B, L, l2), B, L,
+                                                            deadline))
+        save()
     print(f"\nwrote {path}\npaged decode attention, {DT}, block {BS}, head_dim {D}; "
           f"copy {copy_bw:.0f} GB/s; ratio = SDPA time / paged time = paged GB/s / SDPA GB/s")
     for B, L in TARGETS if args.sweep else ():
@@ -260,6 +295,14 @@ def main() -> int:
     print(HEADER)
     for r in result["grid"]:
         print(fmt(r, copy_bw))
+    for B, L in TARGETS if args.fp8_sweep else ():
+        rows = sorted((r for r in result["fp8_sweep"] if (r["B"], r["L"]) == (B, L)),
+                      key=lambda r: r["us"])
+        print(f"fp8 cache B={B} L={L} (16/8): bf16 default {rows[0]['bf16_us']:.1f} us; "
+              f"fastest of {len(rows)}:")
+        for r in rows[:4] + [r for r in rows if r["knobs"] == "default"]:
+            print(f"  {r['knobs']:<28} {r['us']:8.1f} us {r['GBps']:7.0f} GB/s (fp8 bytes) "
+                  f"x{r['bf16_us'] / r['us']:.2f} vs bf16")
     print("targets (ratio >= 0.90):")
     for r in result["targets"]:
         print(fmt(r, copy_bw), "PASS" if r["pass"] else "FAIL")

@@ -46,9 +46,12 @@ def main() -> int:
         engine.step()
     sync()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    per_token = engine.runner.block_bytes() / engine.runner.block_size  # K+V, all layers
+    kv_read = 0.0  # bytes of KV the attention of these steps reads (each context once)
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
         for _ in range(args.steps):
+            kv_read += per_token * sum(s.num_computed_tokens + 1 for s in engine.scheduler.running)
             engine.step()
         sync()
         wall = time.perf_counter() - t0
@@ -64,6 +67,11 @@ def main() -> int:
     print(f"{args.shape}: {args.steps} steps after {args.skip}, {batch} running seqs: wall "
           f"{wall / args.steps * 1e3:.2f} ms/step, device busy {dev_total / 1e3:.2f} ms/step")
     print(f"{'device us/step':>14s} {'share':>6s} {'calls':>6s}  kernel")
+    dec = sum(r["device_us_per_step"] for r in rows if "decode_kernel" in r["name"])
+    if dec:
+        gb = kv_read / args.steps / 1e9
+        print(f"decode attention: {gb:.2f} GB of KV per step in {dec / 1e3:.2f} ms = "
+              f"{gb / dec * 1e3:.2f} TB/s")
     for r in rows[:args.top]:
         print(f"{r['device_us_per_step']:14.1f} {r['device_us_per_step'] / dev_total:6.1%} "
               f"{r['calls_per_step']:6.1f}  {r['name'][:110]}")
@@ -71,7 +79,8 @@ def main() -> int:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"profile-{args.shape}.json"), "w") as f:
             json.dump(dict(wall_ms_per_step=wall / args.steps * 1e3,
-                           device_ms_per_step=dev_total / 1e3, running=batch, rows=rows),
+                           device_ms_per_step=dev_total / 1e3, running=batch,
+                           kv_bytes_per_step=kv_read / args.steps, rows=rows),
                       f, indent=1)
     return 0
 

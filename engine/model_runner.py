@@ -227,11 +227,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, pending: dict[Sequence, int] | None = None,
                 prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits [num_sampling_seqs, vocab], for the seqs where batch.samples(i),
+        """Logits [num_sampling_seqs, vocab] in the model's dtype, for the seqs where batch.samples(i),
         in batch order. Does not advance num_computed_tokens (the engine does). Never
         waits for the device: the logits are computed asynchronously on CUDA."""
         if batch.is_empty:
-            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+            return torch.empty(0, self.vocab_size, dtype=self.dtype, device=self.device)
         input_ids, positions, meta, sample_rows = self.prepare(batch, pending, prev_tokens)
         hidden = self._run_model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[sample_rows])

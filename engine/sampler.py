@@ -4,15 +4,16 @@ Per row: raw logprobs (log_softmax of the model's logits, what ``params.logprobs
 -> repetition / presence / frequency penalties -> min_tokens masking of stop ids and EOS
 (not EOS under ignore_eos, as vLLM) -> temperature (below ``SAMPLING_EPS``: greedy argmax of
 the penalised, masked logits) -> top_k -> top_p -> min_p -> exponential race (Gumbel-max:
-argmax(logits - log E), E ~ Exp(1), samples softmax(logits) exactly).
+argmax(logits / T - log E), E ~ Exp(1), samples softmax(logits / T) exactly), fused into one
+pass over the logits on CUDA (ops.gumbel_argmax).
 
-Reproducibility: a seeded row's noise is the counter-based stream ``seeded_uniforms`` keyed by
-``row_seed(params.seed, seq.num_output_tokens)``, so the token at output index i is a function
-of (seed, i, logits) alone: batch position, other rows, preemption (recompute), crash resume
-(``num_output_tokens`` counts resumed output) and CPU vs CUDA (up to float rounding of the
-logits) do not change it. Unseeded rows
-share one torch generator per device seeded with ``default_seed``.
-The input logits are never modified in place.
+Noise: row r's E is the counter-based SplitMix64 stream ``exponentials(key_r)`` of
+kernels/reference.py. A seeded row's key is ``row_seed(params.seed, seq.num_output_tokens)``,
+so the token at output index i is a function of (seed, i, logits) alone: batch position,
+other rows, preemption (recompute), crash resume (``num_output_tokens`` counts resumed
+output) and CPU vs CUDA (up to float rounding) do not change it. Unseeded rows of call c
+read consecutive, disjoint stretches of the stream keyed ``row_seed(default_seed, c)``.
+The input logits are never modified in place; they may be in the model's dtype.
 """
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.layers import ops
 from engine.sampling_ops import (  # noqa: F401  (re-exported: the sampler's public API)
-    _TINY,
     SAMPLING_EPS,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
     row_seed,
-    seeded_uniforms,
+    stream_keys,
 )
 from engine.sequence import Sequence
 
@@ -54,15 +55,8 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(t for t in eos_token_ids if 0 <= t < vocab_size)
         self.default_seed = default_seed
-        self._gens: dict[str, torch.Generator] = {}  # unseeded rows' generator, per device
+        self._calls = 0  # sampling calls so far: the unseeded rows' stream position
         self._prompt_ids: dict[Sequence, torch.Tensor] = {}
-
-    def _gen(self, device: torch.device) -> torch.Generator:
-        key = str(device)
-        if key not in self._gens:
-            self._gens[key] = torch.Generator(device=device)
-            self._gens[key].manual_seed(self.default_seed)
-        return self._gens[key]
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         tokens, raw, lp_rows = self._tokens(logits, seqs)
@@ -81,8 +75,7 @@ class Sampler:
         V = self.vocab_size
         if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] < V:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} rows x {V}")
-        raw = logits[:, :V].float()  # columns past vocab_size are lm_head padding
-        dev = raw.device
+        dev = logits.device
 
         # per-row parameters (a Python loop over rows only, never over the vocab)
         pen_rows: list[int] = []
@@ -104,10 +97,12 @@ class Sampler:
             if p.logprobs is not None:
                 lp_rows.append(i)
 
-        if not (pen_rows or mask_r or rand_rows):
-            tokens = raw.argmax(dim=-1)  # fast path: all greedy, nothing to modify
-        elif not (pen_rows or mask_r) and len(rand_rows) == len(seqs):
-            tokens = self._sample(raw, seqs)  # fast path: all random (_sample copies first)
+        raw = logits[:, :V].float() if (lp_rows or pen_rows or mask_r) else None
+        if not (pen_rows or mask_r):  # fast paths: the logits as they are (columns past V:
+            if not rand_rows:         # lm_head padding, never read)
+                tokens = logits[:, :V].argmax(dim=-1)
+            else:  # greedy rows ride along with temperature 0
+                tokens = self._sample(logits, seqs)
         else:
             x = raw.clone()
             if pen_rows:
@@ -159,41 +154,41 @@ class Sampler:
         return apply_penalties(x[_t(rows, dev)], seen, counts, rep, pres, freq)
 
     def _sample(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Tokens of rows whose logits x [R, >= V] are final but for temperature and the
+        top_k / top_p / min_p masks; rows with temperature < SAMPLING_EPS are greedy."""
         V, dev = self.vocab_size, x.device
         ps = [s.params for s in seqs]
-        x = x / _f([p.temperature for p in ps], dev).unsqueeze(1)  # a new tensor: x is ours
-        ks = [p.top_k if 0 < p.top_k < V else V for p in ps]
-        tps = [p.top_p if p.top_p < 1.0 else 2.0 for p in ps]
+        temps = [p.temperature if p.temperature >= SAMPLING_EPS else 0.0 for p in ps]
+        ks = [p.top_k if t and 0 < p.top_k < V else V for p, t in zip(ps, temps, strict=True)]
+        tps = [p.top_p if t and p.top_p < 1.0 else 2.0 for p, t in zip(ps, temps, strict=True)]
+        min_ps = [p.min_p if t else 0.0 for p, t in zip(ps, temps, strict=True)]
         sub = [j for j in range(len(ps)) if ks[j] < V or tps[j] <= 1.0]
-        if sub:  # only rows that use top_k / top_p pay for the sort
-            k_sub, p_sub = [ks[j] for j in sub], [tps[j] for j in sub]
-            idx = _t(sub, dev)
-            x[idx] = apply_top_k_top_p(
-                x[idx],
-                _t(k_sub, dev) if min(k_sub) < V else None,
-                _f(p_sub, dev) if min(p_sub) <= 1.0 else None,
-                k_bound=max(k_sub),
-            )
-        if any(p.min_p > 0 for p in ps):
-            x = apply_min_p(x, _f([p.min_p for p in ps], dev))
-        return x.add_(self._gumbel(seqs, V, dev)).argmax(dim=-1)
+        t_dev = _f(temps, dev)
+        if sub or any(min_ps):  # the masks act on the temperature-scaled logits
+            scale = torch.where(t_dev > 0, t_dev, 1.0)
+            x = x[:, :V].float() / scale.unsqueeze(1)  # a new tensor: the input stays intact
+            t_dev = (t_dev > 0).float()  # already scaled: 1 (sample) or 0 (greedy)
+            if sub:  # only rows that use top_k / top_p pay for the sort
+                k_sub, p_sub = [ks[j] for j in sub], [tps[j] for j in sub]
+                idx = _t(sub, dev)
+                x[idx] = apply_top_k_top_p(
+                    x[idx],
+                    _t(k_sub, dev) if min(k_sub) < V else None,
+                    _f(p_sub, dev) if min(p_sub) <= 1.0 else None,
+                    k_bound=max(k_sub),
+                )
+            if any(min_ps):
+                x = apply_min_p(x, _f(min_ps, dev))
+        return ops.gumbel_argmax(x, t_dev, _t(self._keys(seqs), dev), V)
 
-    def _gumbel(self, seqs: list[Sequence], V: int, dev: torch.device) -> torch.Tensor:
-        """Gumbel noise -log(E), E ~ Exp(1); argmax(logits + noise) samples softmax(logits)."""
-        unseeded = [j for j, s in enumerate(seqs) if s.params.seed is None]
-        seeded = [j for j, s in enumerate(seqs) if s.params.seed is not None]
-        if not seeded:  # the common case: the noise tensor itself, no row scatter
-            e = torch.empty(len(seqs), V, device=dev).exponential_(generator=self._gen(dev))
-            return e.clamp_min_(_TINY).log_().neg_()
-        g = torch.empty(len(seqs), V, device=dev)
-        if unseeded:
-            e = torch.empty(len(unseeded), V, device=dev).exponential_(generator=self._gen(dev))
-            g[_t(unseeded, dev)] = e.clamp_min_(_TINY).log_().neg_()
-        if seeded:
-            keys = [row_seed(seqs[j].params.seed, seqs[j].num_output_tokens) for j in seeded]
-            u = seeded_uniforms(_t(keys, dev), V)
-            g[_t(seeded, dev)] = u.log_().neg_().float().log_().neg_()
-        return g
+    def _keys(self, seqs: list[Sequence]) -> list[int]:
+        """The noise key of each row (module doc)."""
+        keys = stream_keys(row_seed(self.default_seed, self._calls), len(seqs), self.vocab_size)
+        self._calls += 1
+        for j, s in enumerate(seqs):
+            if s.params.seed is not None:
+                keys[j] = row_seed(s.params.seed, s.num_output_tokens)
+        return keys
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, ids: list[int],
                   seqs: list[Sequence], rows: list[int], out: list[TokenLogprobs | None]) -> None:

@@ -1,48 +1,34 @@
-"""Pure tensor functions of the sampler (engine/sampler.py): the counter-based seeded noise
-stream, penalties, top-k / top-p and min-p masks. None modifies its inputs in place."""
+"""Pure functions of the sampler (engine/sampler.py): the keys of the counter-based noise
+stream (the stream itself is kernels/reference.py's exponentials), penalties, top-k / top-p
+and min-p masks. None modifies its inputs in place."""
 from __future__ import annotations
 
 import torch
 
+from kernels.reference import C1, C2, GAMMA, signed64
+
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM)
 _MASK64 = (1 << 64) - 1
-_TINY = torch.finfo(torch.float32).tiny  # exponential_ may return 0; log(0) would be -inf
-_GAMMA, _C1, _C2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _splitmix64(z: int) -> int:
-    z = (z + _GAMMA) & _MASK64
-    z = ((z ^ (z >> 30)) * _C1) & _MASK64
-    z = ((z ^ (z >> 27)) * _C2) & _MASK64
+    z = (z + GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * C1) & _MASK64
+    z = ((z ^ (z >> 27)) * C2) & _MASK64
     return z ^ (z >> 31)
 
 
 def row_seed(seed: int, index: int) -> int:
-    """Key (63 bits) of the noise for output index ``index`` of a request seeded with ``seed``."""
+    """Key (63 bits) of the noise for output index ``index`` of a request seeded with ``seed``
+    (the key of kernels/reference.py's exponentials stream)."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 1
 
 
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical shift right of int64 (torch's >> is arithmetic)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
-
-
-def seeded_uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
-    """float64 [R, n] in (0, 1): the first n SplitMix64 outputs of each int64 key, top 52 bits.
-
-    A counter-based stream in plain int64 torch ops (multiplication wraps mod 2**64), so a
-    seeded row's noise is bit-identical on CPU and CUDA, for any batch, with no per-row
-    generator launches.
-    """
-    z = keys.unsqueeze(1) + torch.arange(1, n + 1, device=keys.device) * _signed(_GAMMA)
-    z = (z ^ _lsr(z, 30)) * _signed(_C1)
-    z = (z ^ _lsr(z, 27)) * _signed(_C2)
-    z = z ^ _lsr(z, 31)
-    return (_lsr(z, 12).double() + 0.5) * 2.0**-52
+def stream_keys(base: int, rows: int, stride: int) -> list[int]:
+    """Signed int64 keys base + r * stride * GAMMA (mod 2**64), r < rows: each row reads the
+    next ``stride`` outputs of ONE SplitMix64 stream, so rows never share noise."""
+    step = stride * GAMMA
+    return [signed64((base + r * step) & _MASK64) for r in range(rows)]
 
 
 def apply_penalties(

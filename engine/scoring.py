@@ -29,6 +29,6 @@ def next_token_logprobs(runner, ids: list[int], chunk: int = 256) -> torch.Tenso
         input_ids, positions, meta, _ = runner.prepare(ScheduledBatch(seqs=[seq],
                                                                       num_new_tokens=[n]))
         hidden = runner.model(input_ids, positions, meta)
-        out.append(torch.log_softmax(runner.model.compute_logits(hidden), -1).cpu())
+        out.append(torch.log_softmax(runner.model.compute_logits(hidden).float(), -1).cpu())
         seq.num_computed_tokens += n
     return torch.cat(out)[:-1]

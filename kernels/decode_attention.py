@@ -32,7 +32,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse
                    splits,
                    HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                    D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SINGLE: tl.constexpr, F32_DOT: tl.constexpr):
+                   SINGLE: tl.constexpr, F32_DOT: tl.constexpr, FP8_KV: tl.constexpr):
     kvh = tl.program_id(0)  # fastest: the Hkv programs of a sequence read each block together
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -48,6 +48,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse
     gmask = offs_g < G
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :],
                 mask=gmask[:, None], other=0.0)
+    if FP8_KV:  # e4m3 -> fp16 is one instruction on sm89+ (-> bf16 is not): fp16 dots
+        q = q.to(tl.float16)
 
     m_i = tl.full([G_PAD], _NEG, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -204,7 +206,8 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), num_splits,
         HQ=hq, G=g, G_PAD=g_pad, D=d, BS=bs, BLOCK_N=block_n, SINGLE=num_splits == 1,
-        F32_DOT=f32_dot, num_warps=num_warps, num_stages=num_stages)
+        F32_DOT=f32_dot, FP8_KV=k_cache.dtype == torch.float8_e4m3fn and not f32_dot,
+        num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(B, hq)](part, lse, out, out.stride(0), out.stride(1), num_splits,
                                 HQ=hq, D=d, S_PAD=max(2, triton.next_power_of_2(num_splits)),

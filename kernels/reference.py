@@ -75,6 +75,12 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return rms_norm(s, weight, eps), s
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I], in fp32, rounded once."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
 def rotary_cos_sin(head_dim: int, max_position: int, base: float,
                    scaling: dict | None = None) -> torch.Tensor:
     """cos_sin_cache [max_position, head_dim]: first half cos, second half sin (float32).
@@ -108,3 +114,49 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     return rot(q), rot(k)
+
+
+# SplitMix64 (Steele, Lea, Flood 2014): output i of the stream started at key k is
+# mix(k + i * GAMMA). Counter-based: any element can be computed on its own, on any device.
+GAMMA, C1, C2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def signed64(c: int) -> int:
+    """The int64 with the bits of the uint64 ``c``."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical shift right of int64 (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix_uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """float32 [R, n] in (0, 1]: the top 32 bits of outputs 1..n of the stream of each int64
+    key, as (bits + 0.5) * 2**-32 rounded to float32 (plain int64 torch ops; multiplication
+    wraps mod 2**64, so CPU and CUDA agree bit for bit)."""
+    z = keys.unsqueeze(1) + torch.arange(1, n + 1, device=keys.device) * signed64(GAMMA)
+    z = (z ^ _lsr(z, 30)) * signed64(C1)
+    z = (z ^ _lsr(z, 27)) * signed64(C2)
+    z = z ^ _lsr(z, 31)
+    return (_lsr(z, 32).float() + 0.5) * 2.0**-32
+
+
+def exponentials(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """float32 [R, n] Exp(1) noise E = -log(1 - w), w = splitmix_uniforms. w is the small
+    side, so E keeps its precision near 0, where the winner of an exponential race lives
+    (a series below 1e-3: 1 - w would round)."""
+    w = splitmix_uniforms(keys, n)
+    return torch.where(w < 1e-3, w * (1.0 + w * (0.5 + w * 0.33333334)), -torch.log(1.0 - w))
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
+                  vocab_size: int) -> torch.Tensor:
+    """int64 [R]: per row, argmax over v < vocab_size of logits / T - log(E[v]) with E the
+    row's ``exponentials(keys[r])`` (a sample of softmax(logits / T)); rows with T == 0 take
+    argmax(logits) (greedy). logits [R, >= vocab_size] any float dtype, read only;
+    temperature [R] float32; keys [R] int64."""
+    x = logits[:, :vocab_size].float()
+    t = temperature.unsqueeze(1)
+    noisy = x / torch.where(t > 0, t, 1.0) - torch.log(exponentials(keys, vocab_size))
+    return torch.where(t > 0, noisy, x).argmax(dim=-1)

@@ -22,17 +22,20 @@ if not CUDA:
 triton = pytest.importorskip("triton")
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
+import kernels.activation as act  # noqa: E402
 import kernels.decode_attention as dec  # noqa: E402
 import kernels.norm as norm  # noqa: E402
 import kernels.prefill_attention as pre  # noqa: E402
 import kernels.rotary as rot  # noqa: E402
+import kernels.sampling as samp  # noqa: E402
 import kernels.store_kvcache as store  # noqa: E402
 from kernels import reference as R  # noqa: E402
 
 if INTERP:
     from triton.runtime.interpreter import InterpretedFunction
     for _m, _k in ((dec, "_decode_kernel"), (norm, "_rms_kernel"), (pre, "_prefill_kernel"),
-                   (rot, "_rotary_kernel"), (store, "_store_kernel")):
+                   (rot, "_rotary_kernel"), (store, "_store_kernel"),
+                   (samp, "_gumbel_kernel"), (act, "_silu_mul_kernel")):
         if not isinstance(getattr(_m, _k), InterpretedFunction):
             importlib.reload(_m)
 
@@ -146,6 +149,24 @@ def check_norms(shape, dtype):
     assert relerr(y, yr.float()) < TOL[dtype] and relerr(s, sr.float()) < TOL[dtype]
 
 
+def check_silu_mul(shape, dtype):
+    x = (2 * torch.randn(shape, device=DEV)).to(dtype)
+    assert relerr(act.silu_and_mul(x), R.silu_and_mul(x).float()) < TOL[dtype]
+
+
+def check_head_norm(T, hq, hkv, d, dtype):
+    """Per-head norm (Qwen3 q/k norm) on strided [T, H, D] views of a fused qkv buffer: read
+    in place, not copied; the buffer is left untouched."""
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, device=DEV).to(dtype)
+    before = qkv.clone()
+    w = (1 + 0.1 * torch.randn(d, device=DEV)).to(dtype)
+    for view in (qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d)):
+        out = norm.rms_norm(view, w, 1e-6)
+        assert out.shape == view.shape and out.is_contiguous()
+        assert relerr(out, R.rms_norm(view, w, 1e-6).float()) < TOL[dtype]
+    assert torch.equal(qkv, before)
+
+
 def check_rotary(T, hq, hkv, d, dtype, pos_dtype):
     cs = R.rotary_cos_sin(d, 4096, 10000.0).to(DEV)
     qkv = torch.randn(T, (hq + 2 * hkv) * d, device=DEV).to(dtype)
@@ -197,12 +218,44 @@ def test_store_kvcache_cpu(dtype, cache_dtype, bs):
 @pytest.mark.parametrize("dtype", [F32, HF, BF])
 def test_norms_cpu(poison, dtype):
     check_norms((3, 5, 96), dtype)
+    check_norms((7, 64), dtype)
+    check_head_norm(5, 4, 2, 32, dtype)
+    check_silu_mul((3, 4, 2 * 100), dtype)
 
 
 @cpu
 @pytest.mark.parametrize("dtype,pos_dtype", [(F32, torch.int64), (BF, torch.int32)])
 def test_rotary_cpu(dtype, pos_dtype):
     check_rotary(7, 9, 3, 64, dtype, pos_dtype)
+
+
+def check_gumbel(rows: int, vocab: int, pad: int, dtype, seed: int = 0):
+    """The fused sampler picks, in every row, a token whose noisy score (the twin's
+    logits / T - log E, or logits for T == 0) is the row's maximum up to float rounding of
+    log; never a padding column. Rows are mostly the twin's exact token."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, vocab + pad, generator=g) * 4).to(dtype)
+    t = torch.rand(rows, generator=g) * 1.5
+    t[::5] = 0.0  # greedy rows
+    keys = torch.randint(-2**62, 2**62, (rows,), generator=g)
+    got = samp.gumbel_argmax(x.to(DEV), t.to(DEV), keys.to(DEV), vocab).cpu()
+    ref = R.gumbel_argmax(x, t, keys, vocab)
+    xf = x[:, :vocab].float()
+    tt = t.unsqueeze(1)
+    score = torch.where(tt > 0, xf / torch.where(tt > 0, tt, 1.0)
+                        - torch.log(R.exponentials(keys, vocab)), xf)
+    best = score.max(dim=1).values
+    picked = score.gather(1, got.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)
+    assert (got >= 0).all() and (got < vocab).all()
+    assert (picked >= best - 1e-5 * (1 + best.abs())).all()
+    assert torch.equal(got[t == 0], xf[t == 0].argmax(dim=1))
+    assert (got == ref).float().mean() >= 0.98
+
+
+@cpu
+def test_gumbel_argmax_cpu():
+    check_gumbel(10, 3000, 5, F32)
+    check_gumbel(6, 700, 0, BF, seed=1)
 
 
 # ---------------------------------------------------------------- layout errors (any device)
@@ -276,8 +329,19 @@ def test_small_kernels_gpu(poison, dtype):
     check_store(77, 3, 64, 32, F32, dtype)
     check_norms((513, 4096), dtype)
     check_norms((7, 1000), dtype)
+    check_head_norm(1000, 16, 8, 128, dtype)
+    check_silu_mul((1000, 2 * 3072), dtype)
+    check_silu_mul((5, 2 * 14336), dtype)
     check_rotary(1000, 32, 8, 128, dtype, torch.int64)
     check_rotary(33, 9, 3, 64, dtype, torch.int32)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [BF, F32])
+def test_gumbel_argmax_gpu(dtype):
+    check_gumbel(256, 151936, 64, dtype)
+    check_gumbel(3, 49152, 0, dtype, seed=2)
 
 
 @pytest.mark.gpu

@@ -14,10 +14,10 @@ from engine.sampler import (
     apply_penalties,
     apply_top_k_top_p,
     row_seed,
-    seeded_uniforms,
 )
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from kernels.reference import exponentials, splitmix_uniforms
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PROBS = [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]  # token i has probability PROBS[i] at temperature 1
@@ -215,10 +215,10 @@ def test_different_seeds_and_indices_differ():
     assert len({row_seed(s, i) for s in range(50) for i in range(50)}) == 2500
 
 
-def test_seeded_uniforms_are_the_splitmix64_stream():
+def test_noise_is_the_splitmix64_stream():
     M = (1 << 64) - 1
     keys = [0, 1, row_seed(42, 7), (1 << 63) - 1]
-    u = seeded_uniforms(torch.tensor(keys), 5)
+    u = splitmix_uniforms(torch.tensor(keys), 5)
     for r, key in enumerate(keys):
         state = key
         for i in range(5):
@@ -226,18 +226,25 @@ def test_seeded_uniforms_are_the_splitmix64_stream():
             z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & M
             z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
             z ^= z >> 31
-            assert u[r, i].item() == ((z >> 12) + 0.5) * 2.0**-52
-    assert 0 < u.min() and u.max() < 1
+            want = (torch.tensor(float(z >> 32), dtype=torch.float32) + 0.5) * 2.0**-32
+            assert u[r, i].item() == want.item()
+    assert 0 < u.min() and u.max() <= 1
+    # Exp(1): mean 1, P(E < 1e-3) ~ 1e-3 (the series branch), no inf / nan
+    e = exponentials(torch.tensor([row_seed(7, i) for i in range(64)]), 20000)
+    assert torch.isfinite(e).all() and (e > 0).all()
+    assert abs(e.mean().item() - 1) < 0.01 and abs((e < 1e-3).float().mean().item() - 1e-3) < 3e-4
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_seeded_tokens_identical_on_cpu_and_cuda():
     keys = torch.tensor([row_seed(s, i) for s in range(8) for i in range(8)])
-    assert torch.equal(seeded_uniforms(keys, 4096), seeded_uniforms(keys.cuda(), 4096).cpu())
+    assert torch.equal(splitmix_uniforms(keys, 4096), splitmix_uniforms(keys.cuda(), 4096).cpu())
     logits = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0))
-    seqs = [seq(seed=s, out=[0] * i, top_p=0.9) for s in range(8) for i in range(8)]
-    cpu = Sampler(4096, set())(logits, seqs).token_ids
-    assert Sampler(4096, set())(logits.cuda(), seqs).token_ids == cpu
+    for extra in ({}, {"top_p": 0.9}):  # fused kernel path, then the masked path
+        seqs = [seq(seed=s, out=[0] * i, **extra) for s in range(8) for i in range(8)]
+        cpu = Sampler(4096, set())(logits, seqs).token_ids
+        assert Sampler(4096, set())(logits.cuda(), seqs).token_ids == cpu
 
 
 def test_unseeded_rows_reproducible_from_default_seed():

@@ -24,6 +24,8 @@ TRITON_MODULES = {
     "rms_norm": "kernels.norm",
     "fused_add_rms_norm": "kernels.norm",
     "apply_rotary": "kernels.rotary",
+    "gumbel_argmax": "kernels.sampling",
+    "silu_and_mul": "kernels.activation",
 }
 
 _use_triton = False
@@ -81,3 +83,11 @@ def fused_add_rms_norm(x, residual, weight, eps):
 
 def apply_rotary(q, k, positions, cos_sin_cache):
     return _op("apply_rotary", q)(q, k, positions, cos_sin_cache)
+
+
+def gumbel_argmax(logits, temperature, keys, vocab_size):
+    return _op("gumbel_argmax", logits)(logits, temperature, keys, vocab_size)
+
+
+def silu_and_mul(x):
+    return _op("silu_and_mul", x)(x)

@@ -143,9 +143,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, vocab]."""
+        """hidden [N, H] -> logits [N, vocab] in the model's dtype (a float32 copy of bf16
+        logits would add no information, only a pass over [N, vocab])."""
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return F.linear(hidden, w)
 
     def _shard(self, merged: str, shard: int) -> tuple[int, int]:
         """(row offset, rows) of one HF projection inside a merged parameter."""

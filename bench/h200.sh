@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU figures of issue 4 in one go (run from the repo root on the H200 machine; OUT is
+# the folder for JSON results). What each line measures is in bench/*.py's docstrings.
+#   bash bench/h200.sh [tests] [main] [ablations] [profile] [kernels] [service]
+set -u
+OUT=${OUT:-/tmp/pagedq-bench}
+mkdir -p "$OUT"
+steps=${*:-tests main ablations profile}
+off() { timeout 300 python3 bench/offline.py --out "$OUT" "$@" 2>&1 | grep -E "tok/s|Error" | tail -2; }
+for s in $steps; do
+  case $s in
+    tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
+             tests/test_gpu_engine.py tests/test_model.py tests/test_sampler.py 2>&1 | tail -4 ;;
+    main) rm -rf ~/.triton/cache  # first process on an empty Triton cache, as on a new machine
+          off --num-seqs 256; off --num-seqs 256 --kv-cache-dtype fp8
+          off --shape llama-3.2-1b --num-seqs 128; off --shape llama-3.1-8b --num-seqs 32 ;;
+    ablations) for a in "" "--enforce-eager" "--no-async" "--disable rms_norm,fused_add_rms_norm" \
+                 "--disable apply_rotary" "--disable silu_and_mul" "--disable gumbel_argmax"; do
+                 off --num-seqs 64 $a; done ;;
+    profile) timeout 300 python3 bench/profile_steps.py --out "$OUT" 2>&1 | grep -v -i warn | tail -20 ;;
+    kernels) timeout 300 python3 bench/kernels.py --out "$OUT" 2>&1 | tail -30 ;;
+    service) timeout 300 python3 bench/service.py --num-seqs 256 --out "$OUT" 2>&1 | tail -15 ;;
+  esac
+done
