@@ -17,8 +17,9 @@ for s in $steps; do
     ablations) for a in "" "--enforce-eager" "--no-async" "--disable rms_norm,fused_add_rms_norm" \
                  "--disable apply_rotary" "--disable silu_and_mul" "--disable gumbel_argmax"; do
                  off --num-seqs 64 $a; done ;;
-    profile) timeout 300 python3 bench/profile_steps.py --out "$OUT" 2>&1 | grep -v -i warn | tail -20 ;;
-    kernels) timeout 300 python3 bench/kernels.py --out "$OUT" 2>&1 | tail -30 ;;
-    service) timeout 300 python3 bench/service.py --num-seqs 256 --out "$OUT" 2>&1 | tail -15 ;;
+    profile) timeout 300 python3 bench/profile_steps.py --top 12 --out "$OUT" 2>&1 | grep -v -i warn | tail -16 ;;
+    kernels) timeout 300 python3 bench/kernels.py --quick --fp8-sweep --out "$OUT" 2>&1 | tail -24 ;;
+    service) PAGEDQ_REDIS_SERVER=${PAGEDQ_REDIS_SERVER:-$PWD/.whl/redis-server} timeout 300 \
+               python3 bench/service.py --num-seqs 256 --out "$OUT" 2>&1 | tail -3 ;;
   esac
 done
