@@ -103,8 +103,16 @@ def main() -> int:
                "--max-num-batched-tokens", "16384", "--worker-id", "bench"]
         with open(log_path, "w") as logf:
             w = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        import redis
+        rc = redis.Redis.from_url(srv.url)
+
+        def redis_cpu() -> float:
+            info = rc.info("cpu")
+            return info["used_cpu_user"] + info["used_cpu_sys"]
         try:
+            cpu0 = redis_cpu()
             res = asyncio.run(drive(srv.url, prompts, params))
+            res["redis_cpu_s"] = redis_cpu() - cpu0
         finally:
             w.send_signal(signal.SIGTERM)
             w.wait(120)
@@ -113,7 +121,8 @@ def main() -> int:
     res.update(shape=args.shape, num_seqs=args.num_seqs, offline_tok_s=offline["throughput_tok_s"],
                ratio_to_offline=res["service_tok_s"] / offline["throughput_tok_s"],
                worker_steps=stats["steps"], redis_round_trips=rt,
-               round_trips_per_step=rt / max(stats["steps"], 1), device=offline["device"])
+               round_trips_per_step=rt / max(stats["steps"], 1), device=offline["device"],
+               worker_loop_s=stats.get("loop_s"))
     print(json.dumps(res))
     print(f"offline {res['offline_tok_s']:.0f} tok/s | service {res['service_tok_s']:.0f} tok/s "
           f"(ratio {res['ratio_to_offline']:.2f}) | TTFT p50/p90/p99 {res['ttft_p50']:.2f}/"
@@ -121,6 +130,8 @@ def main() -> int:
           f"{res['itl_p50'] * 1e3:.1f}/{res['itl_p90'] * 1e3:.1f}/{res['itl_p99'] * 1e3:.1f} ms | "
           f"{res['tokens_per_event']:.2f} tok/event | {res['round_trips_per_step']:.2f} "
           f"Redis round trips/step")
+    print(f"worker engine thread (s): {res['worker_loop_s']} | redis-server CPU "
+          f"{res['redis_cpu_s']:.2f} s over {res['service_seconds']:.2f} s")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"service-{args.shape}-{args.num_seqs}.json"), "w") as f:

@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     max_queued_jobs: int = Field(0, ge=0)
     max_queued_tokens: int = Field(0, ge=0)
 
+    # intake: while the engine is busy and the stream had nothing new, look again only after
+    # this long (the engine thread's Redis round trips compete with Redis serving clients)
+    intake_poll_ms: float = Field(10.0, ge=0)
+
     # publishing
     coalesce_ms: float = Field(0.0, ge=0)  # hold a job's deltas this long when the batch is large
     coalesce_min_batch: int = Field(64, ge=1)

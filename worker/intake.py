@@ -52,13 +52,18 @@ class Intake:
             room = self._room()
             if room <= 0:
                 return True
-        block = None if self.engine.has_unfinished() else 500
+        busy = self.engine.has_unfinished()
+        if busy and time.monotonic() < self._next_poll:
+            return True
         self.intake_round_trips += 1
         resp = self.r.xreadgroup(GROUP, self.worker_id, {self.stream: ">"}, count=room,
-                                 block=block)
+                                 block=None if busy else 500)
+        got = 0
         for _stream, entries in resp or []:
             for entry_id, fields in entries:
+                got += 1
                 self._admit(entry_id, fields, 1)
+        self._next_poll = 0.0 if got else time.monotonic() + self.s.intake_poll_ms / 1000.0
         return True
 
     def _admit(self, entry_id: str, fields: dict[str, str] | None, deliveries: int) -> None:

@@ -52,7 +52,9 @@ class Worker(Intake):
         self.preemptions_seen = 0
         self.steps = self.intake_round_trips = 0  # for bench/service.py
         self._stopping = False
-        self._next_beat = self._next_reclaim = self._next_metrics = 0.0
+        self._next_beat = self._next_reclaim = self._next_metrics = self._next_poll = 0.0
+        # seconds of the engine thread, by phase (logged at exit; bench/service.py reads it)
+        self.loop_s = {"engine_step": 0.0, "emit": 0.0, "intake": 0.0, "other": 0.0}
         self._redis_retry_at = 0.0
         self._backoff = 0.1
         self._claim_cursor = "0-0"
@@ -73,6 +75,7 @@ class Worker(Intake):
         self.log.info("worker_started", stream=self.stream)
         own_pending = True  # a restarted worker first re-reads its own pending entries
         drain_until = None
+        t_start = time.perf_counter()
         try:
             while True:
                 self._drain_cancels()
@@ -83,8 +86,11 @@ class Worker(Intake):
                         self.log.info("drain_started", running=len(self.jobs))
                     if not self.jobs or now > drain_until:
                         break
-                elif self._redis_call(self._intake, own_pending):
-                    own_pending = False
+                else:
+                    t = time.perf_counter()
+                    if self._redis_call(self._intake, own_pending):
+                        own_pending = False
+                    self.loop_s["intake"] += time.perf_counter() - t
                 if self.engine.has_unfinished():
                     self._step()
                 elif until_idle and not self._redis_call(self._has_backlog):
@@ -94,18 +100,25 @@ class Worker(Intake):
         finally:
             self.watchdog.stop()
             self.publisher.stop()
+            loop = self.loop_s
+            loop["other"] = time.perf_counter() - t_start - sum(loop.values())
             self.log.info("worker_stopped", steps=self.steps,
                           publish_round_trips=self.publisher.rounds,
-                          intake_round_trips=self.intake_round_trips)
+                          intake_round_trips=self.intake_round_trips,
+                          loop_s={k: round(v, 3) for k, v in loop.items()})
 
     def _step(self) -> None:
         self.watchdog.step_begins()
         faults.on_step()
+        t0 = time.perf_counter()
         outs = self.engine.step()
+        t1 = time.perf_counter()
         self.watchdog.step_ends()
         self.steps += 1
         self._emit(outs)
         self.publisher.check_cancels(list(self.jobs))
+        self.loop_s["engine_step"] += t1 - t0
+        self.loop_s["emit"] += time.perf_counter() - t1
 
     def _redis_call(self, fn, *args):
         """Run an intake-side Redis operation; on an outage back off (capped) and report
