@@ -307,6 +307,20 @@ def test_idempotent_resubmission_runs_once(svc):
     assert c.redis.xlen(c.keys.jobs(MODEL)) == 0  # one entry, deleted once its job ended
 
 
+def test_script_cache_flushed_under_a_running_worker(svc):
+    """Scripts run by EVALSHA; after SCRIPT FLUSH (what a Redis restart without the cache
+    amounts to) the worker reloads them: jobs running and jobs arriving all finish once."""
+    svc.worker(env={"PAGEDQ_FAILPOINTS": "step_sleep_s=0.05"})
+    c = svc.client()
+    running = gen(c, max_tokens=30)
+    wait_tokens(c, running, 2)
+    c.redis.script_flush()  # PUBLISH / FINISH / REFRESH of the running job meet NOSCRIPT
+    later = [gen(c, f"job {i}", max_tokens=5) for i in range(3)]  # START meets it too
+    for job in [running, *later]:
+        rec, _ = check_consistent(c, job)
+        assert rec.status == "finished" and rec.attempt == 1
+
+
 def test_watchdog_fails_a_wedged_step_and_the_job_is_taken_over(svc):
     w = svc.worker(env={"PAGEDQ_FAILPOINTS": "wedge_on_prompt=HANG",
                         "PAGEDQ_STEP_WATCHDOG_S": "2"})

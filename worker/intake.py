@@ -67,6 +67,9 @@ class Intake:
         return True
 
     def _admit(self, entry_id: str, fields: dict[str, str] | None, deliveries: int) -> None:
+        """START runs here, per entry, right before the job enters the engine (not batched
+        over the entries read): a worker that crashes while admitting has then charged a
+        start only to the jobs it got to (poison detection counts starts)."""
         if not fields:  # its data was deleted from the stream: nothing to run
             self._ack_del(entry_id)
             return

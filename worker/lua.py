@@ -4,6 +4,48 @@ by its ``attempt`` (a reclaiming worker bumps it, so a stale owner's writes are 
 Event ``i`` of a job lives at out-stream id ``0-(i+1)``: XADD of an existing index fails,
 so no event is ever written twice (see producer/keys.py).
 """
+from __future__ import annotations
+
+import hashlib
+
+import redis
+
+
+class Script:
+    """One of the scripts below, run by EVALSHA. With ``client=pipeline`` it only queues
+    the EVALSHA: redis-py's own Script objects make every pipeline.execute() send SCRIPT
+    EXISTS first, one extra round trip per execute. A NOSCRIPT reply in a pipeline (Redis
+    restarted or flushed its script cache) is the caller's to handle: ``load_all`` and
+    send again (``noscript``). Every script here is fenced or idempotent, so a resend is
+    safe. Called directly, it loads and retries by itself."""
+
+    def __init__(self, r: redis.Redis, source: str) -> None:
+        self.r, self.source = r, source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    def __call__(self, keys=(), args=(), client=None):
+        if client is not None:
+            client.evalsha(self.sha, len(keys), *keys, *args)
+            return None
+        try:
+            return self.r.evalsha(self.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            self.r.script_load(self.source)
+            return self.r.evalsha(self.sha, len(keys), *keys, *args)
+
+
+def noscript(results: list) -> bool:
+    """Did a pipeline (executed with raise_on_error=False) meet an unloaded script?"""
+    return any(isinstance(x, redis.exceptions.NoScriptError) for x in results)
+
+
+def load_all(r: redis.Redis) -> None:
+    """Load every script of this module into Redis's script cache."""
+    pipe = r.pipeline(transaction=False)
+    for source in (START, PUBLISH, FINISH, REJECT, REFRESH):
+        pipe.script_load(source)
+    pipe.execute()
+
 
 # KEYS: job hash, queued-tokens counter, queued-jobs counter.
 # ARGV: worker id, now, model, max_deliveries.

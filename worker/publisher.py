@@ -55,8 +55,8 @@ class _Pending:
 class Publisher:
     def __init__(self, r: redis.Redis, keys: Keys, settings: Settings, model: str) -> None:
         self.r, self.keys, self.s, self.model = r, keys, settings, model
-        self._publish = r.register_script(lua.PUBLISH)
-        self._finish = r.register_script(lua.FINISH)
+        self._publish = lua.Script(r, lua.PUBLISH)
+        self._finish = lua.Script(r, lua.FINISH)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._next_index: dict[str, int] = {}  # owned by the publisher thread
         self._thread = threading.Thread(target=self._run, name="pagedq-publisher", daemon=True)
@@ -184,6 +184,9 @@ class Publisher:
                 if cancel_ids:
                     pipe.smismember(self.keys.cancel, cancel_ids)
                 res = pipe.execute(raise_on_error=False)
+                if lua.noscript(res):  # Redis lost its script cache: load, send it all again
+                    lua.load_all(self.r)
+                    continue
                 break
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 self.errors += 1

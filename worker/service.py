@@ -45,9 +45,9 @@ class Worker(Intake):
         self.stream = self.keys.jobs(self.model)
         self.publisher = Publisher(self.r, self.keys, self.s, self.model)
         self.metrics = Metrics()
-        self._start = self.r.register_script(lua.START)
-        self._reject = self.r.register_script(lua.REJECT)
-        self.refresh_script = self.r.register_script(lua.REFRESH)
+        self._start = lua.Script(self.r, lua.START)
+        self._reject = lua.Script(self.r, lua.REJECT)
+        self.refresh_script = lua.Script(self.r, lua.REFRESH)
         self.jobs: dict[str, Job] = {}
         self.preemptions_seen = 0
         self.steps = self.intake_round_trips = 0  # for bench/service.py
