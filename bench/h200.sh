@@ -22,10 +22,10 @@ for s in $steps; do
     service) export PAGEDQ_REDIS_SERVER=${PAGEDQ_REDIS_SERVER:-$PWD/.whl/redis-server}
              off_json="$OUT/offline-qwen3-0.6b-256.json"  # from `main`, if it ran before
              reuse=(); [ -f "$off_json" ] && reuse=(--offline-json "$off_json")
-             echo "service, default settings:"
+             echo "service, default settings (PAGEDQ_COALESCE_MS=10):"
              timeout 300 python3 bench/service.py --num-seqs 256 "${reuse[@]}" 2>&1 | tail -2
-             echo "service, PAGEDQ_COALESCE_MS=10:"
-             PAGEDQ_COALESCE_MS=10 timeout 300 python3 bench/service.py --num-seqs 256 \
+             echo "service, PAGEDQ_COALESCE_MS=0 (an event per job per step):"
+             PAGEDQ_COALESCE_MS=0 timeout 300 python3 bench/service.py --num-seqs 256 \
                "${reuse[@]}" 2>&1 | tail -2 ;;
   esac
 done

@@ -41,8 +41,8 @@ class Settings(BaseSettings):
 
     # publishing
     # with >= coalesce_min_batch jobs in a step, hold their deltas coalesce_ms so the next
-    # step's merge into the same events (H200 service bench, 256 jobs: 2.5 tokens/event,
-    # redis-server CPU -31%, throughput +1%); 0 = an event per job per step
+    # step's merge into the same events (H200 service bench, 256 jobs: 2.3-2.4 tokens per
+    # event, redis-server CPU -27..42%, throughput +1%); 0 = an event per job per step
     coalesce_ms: float = Field(10.0, ge=0)
     coalesce_min_batch: int = Field(64, ge=1)
 
