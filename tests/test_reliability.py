@@ -355,3 +355,19 @@ def test_second_sigterm_exits_at_once_first_drains(svc):
 
 if __name__ == "__main__":
     sys.exit(subprocess.call([sys.executable, "-m", "pytest", "-q", __file__]))
+
+
+def test_worker_with_fp8_kv_cache_serves_jobs(svc):
+    svc.worker(extra=["--kv-cache-dtype", "fp8"])
+    c = svc.client()
+    jobs = [gen(c, f"fp8 {i}", max_tokens=6, temperature=1.0) for i in range(3)]
+    for job in jobs:
+        rec, _ = check_consistent(c, job)
+        assert rec.status == "finished" and rec.usage.completion_tokens == 6
+
+
+def test_worker_noise_seed_is_per_process_unless_given():
+    from worker.cli import build_parser, engine_kwargs
+    seeds = {engine_kwargs(build_parser().parse_args(["worker"]))["seed"] for _ in range(3)}
+    assert len(seeds) == 3  # workers never share the unseeded jobs' noise stream
+    assert engine_kwargs(build_parser().parse_args(["worker", "--seed", "5"]))["seed"] == 5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 
@@ -49,10 +50,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from config.json alone (benchmarks)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: float8_e4m3 KV cache, twice the tokens per GiB (accuracy: "
+                        "docs/benchmarks.md)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="noise seed of jobs without their own seed (default: random per process, "
+                        "so workers never share a noise stream)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    kw = {"device": args.device, "dtype": args.dtype, "load_format": args.load_format}
+    kw = {"device": args.device, "dtype": args.dtype, "load_format": args.load_format,
+          "kv_cache_dtype": args.kv_cache_dtype,
+          "seed": args.seed if args.seed is not None else secrets.randbits(63)}
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                  "block_size"):
         v = getattr(args, name)
