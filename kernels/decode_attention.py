@@ -129,17 +129,19 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_ctx: int, num_sms: int,
-                      block_n: int) -> int:
+                      block_n: int, per_sm: int = 3) -> int:
     """Splits per sequence so that all B * Hkv * S programs are resident in ONE wave.
 
     The default tiles (D 128, BLOCK_N 64, 4 warps) take 127 registers (ptxas, sm_90): 4
     programs fit an SM; 3 is assumed, so a wave never spills into a mostly idle second one.
     One wave of >= 100 programs keeps far more than the ~4 MB needed in flight (each has a
     32 KiB K+V tile outstanding), so extra splits would only add the reduction's cost. No
-    split is shorter than max(4 tiles, 256 tokens).
+    split is shorter than max(4 tiles, 256 tokens). An fp8 cache passes per_sm=8: its
+    programs are bound by the e4m3 conversions, not by bytes, so more of them pay
+    (bench/kernels.py --fp8-sweep: best at 2 splits for 64 x 4096, 8 for 16 x 16384).
     """
     programs = batch * kv_heads
-    fill = (3 * num_sms) // programs
+    fill = (per_sm * num_sms) // programs
     min_chunk = max(4 * block_n, 256) if num_sms > 16 else block_n
     by_len = max(1, triton.cdiv(max_ctx, min_chunk))
     return max(1, min(fill, by_len, 64))
@@ -182,17 +184,19 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
     if block_n is None:
         block_n = 64 if d <= 128 else 32
     max_ctx = block_tables.shape[1] * bs  # upper bound on any seq_len, known without a sync
+    # fp32 inputs get exact fp32 dots; so does the CPU interpreter, whose bf16 dot is wrong
+    # (triton 3.9 reads bf16 operands as integers).
+    f32_dot = q.dtype == torch.float32 or q.device.type == "cpu"
+    fp8 = k_cache.dtype == torch.float8_e4m3fn and not f32_dot
     if num_splits is None:
-        num_splits = choose_num_splits(B, hkv, max_ctx, _num_sms(q.device), block_n)
+        num_splits = choose_num_splits(B, hkv, max_ctx, _num_sms(q.device), block_n,
+                                       per_sm=8 if fp8 else 3)
     if num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
-        num_stages = 3 if d <= 128 else 2
-    # fp32 inputs get exact fp32 dots; so does the CPU interpreter, whose bf16 dot is wrong
-    # (triton 3.9 reads bf16 operands as integers).
-    f32_dot = q.dtype == torch.float32 or q.device.type == "cpu"
+        num_stages = (5 if fp8 else 3) if d <= 128 else 2
     g_pad = max(16, triton.next_power_of_2(g))
     if num_splits > 1:
         part = torch.empty(B, hq, num_splits, d, dtype=torch.float32, device=q.device)
@@ -206,8 +210,7 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), num_splits,
         HQ=hq, G=g, G_PAD=g_pad, D=d, BS=bs, BLOCK_N=block_n, SINGLE=num_splits == 1,
-        F32_DOT=f32_dot, FP8_KV=k_cache.dtype == torch.float8_e4m3fn and not f32_dot,
-        num_warps=num_warps, num_stages=num_stages)
+        F32_DOT=f32_dot, FP8_KV=fp8, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(B, hq)](part, lse, out, out.stride(0), out.stride(1), num_splits,
                                 HQ=hq, D=d, S_PAD=max(2, triton.next_power_of_2(num_splits)),
