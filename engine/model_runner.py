@@ -227,8 +227,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, pending: dict[Sequence, int] | None = None,
                 prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [num_sampling_seqs, vocab] in the model's dtype, for the seqs where batch.samples(i),
-        in batch order. Does not advance num_computed_tokens (the engine does). Never
+        """Logits [num_sampling_seqs, vocab] in the model's dtype, for the seqs where
+        batch.samples(i), in batch order. Does not advance num_computed_tokens (the engine does). Never
         waits for the device: the logits are computed asynchronously on CUDA."""
         if batch.is_empty:
             return torch.empty(0, self.vocab_size, dtype=self.dtype, device=self.device)

@@ -2,8 +2,9 @@
 
 x [..., H] with a contiguous last dim; weight [H]. A 3-D x [T, N, H] is read in place
 through its two outer strides (Qwen3's per-head q/k norm on views of the fused qkv output:
-no copy); other shapes are flattened to rows. Statistics in fp32; the fused form rounds x + residual to x.dtype first and
-normalises that rounded sum, exactly as the reference twin does. Outputs are new tensors.
+no copy); other shapes are flattened to rows. Statistics in fp32; the fused form rounds
+x + residual to x.dtype first and normalises that rounded sum, exactly as the reference
+twin does. Outputs are new tensors.
 """
 from __future__ import annotations
 

@@ -150,13 +150,19 @@ def exponentials(keys: torch.Tensor, n: int) -> torch.Tensor:
     return torch.where(w < 1e-3, w * (1.0 + w * (0.5 + w * 0.33333334)), -torch.log(1.0 - w))
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
+def gumbel_scores(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
                   vocab_size: int) -> torch.Tensor:
-    """int64 [R]: per row, argmax over v < vocab_size of logits / T - log(E[v]) with E the
-    row's ``exponentials(keys[r])`` (a sample of softmax(logits / T)); rows with T == 0 take
-    argmax(logits) (greedy). logits [R, >= vocab_size] any float dtype, read only;
-    temperature [R] float32; keys [R] int64."""
+    """float32 [R, vocab_size]: logits / T - log(E[v]) with E the row's
+    ``exponentials(keys[r])``; for rows with T == 0, the logits themselves."""
     x = logits[:, :vocab_size].float()
     t = temperature.unsqueeze(1)
     noisy = x / torch.where(t > 0, t, 1.0) - torch.log(exponentials(keys, vocab_size))
-    return torch.where(t > 0, noisy, x).argmax(dim=-1)
+    return torch.where(t > 0, noisy, x)
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
+                  vocab_size: int) -> torch.Tensor:
+    """int64 [R]: per row, argmax of ``gumbel_scores`` (a sample of softmax(logits / T);
+    rows with T == 0: greedy). logits [R, >= vocab_size] any float dtype, read only;
+    temperature [R] float32; keys [R] int64."""
+    return gumbel_scores(logits, temperature, keys, vocab_size).argmax(dim=-1)

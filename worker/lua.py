@@ -19,9 +19,12 @@ class Script:
     send again (``noscript``). Every script here is fenced or idempotent, so a resend is
     safe. Called directly, it loads and retries by itself."""
 
+    sources: set[str] = set()  # of every Script made: what load_all loads
+
     def __init__(self, r: redis.Redis, source: str) -> None:
         self.r, self.source = r, source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
+        Script.sources.add(source)
 
     def __call__(self, keys=(), args=(), client=None):
         if client is not None:
@@ -40,9 +43,9 @@ def noscript(results: list) -> bool:
 
 
 def load_all(r: redis.Redis) -> None:
-    """Load every script of this module into Redis's script cache."""
+    """Load every script in use into Redis's script cache."""
     pipe = r.pipeline(transaction=False)
-    for source in (START, PUBLISH, FINISH, REJECT, REFRESH):
+    for source in Script.sources:
         pipe.script_load(source)
     pipe.execute()
 

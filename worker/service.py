@@ -53,7 +53,8 @@ class Worker(Intake):
         self.steps = self.intake_round_trips = 0  # for bench/service.py
         self._stopping = False
         self._next_beat = self._next_reclaim = self._next_metrics = self._next_poll = 0.0
-        # seconds of the engine thread, by phase (logged at exit; bench/service.py reads it)
+        # seconds of the engine thread, by phase (logged at exit; bench/service.py reads it);
+        # "intake" includes blocking on the stream while the engine is idle
         self.loop_s = {"engine_step": 0.0, "emit": 0.0, "intake": 0.0, "other": 0.0}
         self._redis_retry_at = 0.0
         self._backoff = 0.1
