@@ -59,6 +59,7 @@ class LLMEngine(OfflineMixin):
         self._inflight: InFlight | None = None  # the step launched, not yet collected
         self._block_size = self.config.block_size
         self.device_wait_s = 0.0  # host time spent waiting for sampled tokens (stats)
+        self.last_step_tokens = 0  # tokens computed by the step the last step() launched
 
     def _fit_max_model_len(self) -> int:
         """One sequence of max_model_len tokens must fit the KV cache: an explicit
@@ -160,6 +161,14 @@ class LLMEngine(OfflineMixin):
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage
 
+    def set_step_budget(self, tokens: int) -> int:
+        """Limit the tokens one step computes (prefill chunks + decodes) to ``tokens``,
+        clipped to [1, max_num_batched_tokens]; returns the budget in force. Lets a caller
+        keep steps short on a slow device without changing the engine's configuration."""
+        budget = max(1, min(int(tokens), self.config.max_num_batched_tokens))
+        self.scheduler.step_token_budget = budget
+        return budget
+
     # ---- stepping -------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Schedule and launch one step; return the outputs of the step before it (async
@@ -168,6 +177,7 @@ class LLMEngine(OfflineMixin):
         if prev is not None:
             self._expect(prev)
         batch = self.scheduler.schedule()
+        self.last_step_tokens = sum(batch.num_new_tokens)
         dropped = self.scheduler.finished_in_schedule
         cur = None
         if not batch.is_empty:

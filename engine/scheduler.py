@@ -61,6 +61,9 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}  # every unfinished request
         self.num_preemptions_total = 0
         self.finished_in_schedule: list[Sequence] = []
+        # tokens one step may compute; a caller on a slow device may lower it (never above
+        # max_num_batched_tokens) so that each step stays short: LLMEngine.set_step_budget
+        self.step_token_budget = config.max_num_batched_tokens
 
     @property
     def num_running(self) -> int:
@@ -158,7 +161,7 @@ class Scheduler:
         cfg, bm = self.config, self.bm
         batch = ScheduledBatch()
         self.finished_in_schedule = []
-        budget = cfg.max_num_batched_tokens
+        budget = self.step_token_budget
 
         # hot loop (every running request, every step): locals, no property calls
         running, capacity, chunked = RUNNING, bm.capacity_tokens, cfg.enable_chunked_prefill

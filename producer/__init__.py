@@ -16,16 +16,27 @@ from .errors import (
     InvalidRequest,
     JobConflict,
     JobNotFound,
+    NoWorker,
     Overloaded,
     PagedqError,
     ResultTimeout,
 )
 from .keys import Keys
-from .schema import ChatMessage, Event, FinalEvent, JobRecord, JobRequest, Status, TokenEvent, Usage
+from .schema import (
+    ChatMessage,
+    Choice,
+    Event,
+    FinalEvent,
+    JobRecord,
+    JobRequest,
+    Status,
+    TokenEvent,
+    Usage,
+)
 from .settings import Settings
 
 __all__ = [
-    "AsyncClient", "ChatMessage", "Client", "Event", "EventsTrimmed", "FinalEvent",
+    "AsyncClient", "ChatMessage", "Choice", "Client", "Event", "EventsTrimmed", "FinalEvent",
     "InvalidRequest", "JobConflict", "JobNotFound", "JobRecord", "JobRequest", "Keys",
-    "Overloaded", "PagedqError", "ResultTimeout", "Settings", "Status", "TokenEvent", "Usage",
+    "NoWorker", "Overloaded", "PagedqError", "ResultTimeout", "Settings", "Status", "TokenEvent", "Usage",
 ]

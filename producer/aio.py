@@ -3,17 +3,20 @@ producer.client.Client, with coroutines and async iterators. The protocol logic 
 producer/client.py's helpers and producer/scripts.py; this file only does the I/O."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import redis.asyncio as aredis
 
 from .client import (
     POLL_S,
     READ_COUNT,
+    RETRYABLE,
     SOCKET_TIMEOUT_S,
+    Backoff,
     Cursor,
     block_ms,
     entries_of,
@@ -32,10 +35,14 @@ from .scripts import (
     checked_id,
     collect_replies,
     register,
+    served_call,
+    served_reply,
     submit_call,
     with_id,
 )
 from .settings import Settings
+
+T = TypeVar("T")
 
 
 class AsyncClient:
@@ -54,38 +61,62 @@ class AsyncClient:
             socket_timeout=SOCKET_TIMEOUT_S))
         self._scripts = register(self.redis)
 
+    async def _retry(self, call: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        """``await call(*args, **kwargs)``, repeated on connection-level failures; the
+        policy is producer.client.Backoff, as for Client."""
+        backoff = Backoff(self.settings.client_retry_s)
+        while True:
+            try:
+                return await call(*args, **kwargs)
+            except RETRYABLE:
+                delay = backoff.next_delay()
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
+
     # -- submit
     async def submit(self, prompt: str | list[int] | None = None, *, messages: list[Any] | None = None,
                      model: str | None = None, max_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None,
                      top_k: int | None = None, seed: int | None = None,
                      stop: list[str] | str | None = None, timeout_s: float | None = None,
-                     job_id: str | None = None, **params: Any) -> str:
+                     job_id: str | None = None, require_worker: bool = False,
+                     **params: Any) -> str:
         explicit = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                         top_k=top_k, seed=seed, stop=stop, timeout_s=timeout_s)
         req = build_request(prompt, messages, model or self.model, job_id, explicit, params)
-        return await self._submit(req)
+        return await self._submit(req, require_worker)
 
-    async def submit_request(self, req: JobRequest | dict[str, Any]) -> str:
-        return await self._submit(with_id(req, self.model))
+    async def submit_request(self, req: JobRequest | dict[str, Any],
+                       require_worker: bool = False) -> str:
+        return await self._submit(with_id(req, self.model), require_worker)
 
-    async def _submit(self, req: JobRequest) -> str:
-        keys, args = submit_call(self.keys, req, self.settings)
-        return check_submit_reply(await self._scripts.submit(keys, args), req.id)
+    async def _submit(self, req: JobRequest, require_worker: bool = False) -> str:
+        keys, args = submit_call(self.keys, req, self.settings, require_worker)
+        return check_submit_reply(await self._retry(self._scripts.submit, keys, args), req.id)
 
     async def submit_many(self, reqs: list[JobRequest | dict[str, Any]]) -> list[str]:
         """See Client.submit_many."""
         reqs = [with_id(r, self.model) for r in reqs]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for req in reqs:
-                keys, args = submit_call(self.keys, req, self.settings)
-                await self._scripts.submit(keys, args, client=pipe)
-            replies = await pipe.execute(raise_on_error=False)
-        return collect_replies(reqs, replies)
+        calls = [submit_call(self.keys, req, self.settings) for req in reqs]
+
+        async def send() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for keys, args in calls:
+                    await self._scripts.submit(keys, args, client=pipe)
+                return await pipe.execute(raise_on_error=False)
+        return collect_replies(reqs, await self._retry(send))
+
+    async def served_models(self) -> dict[str, int]:
+        """Models with at least one live worker -> how many (from the workers'
+        heartbeats, judged by Redis's clock)."""
+        keys, args = served_call(self.keys)
+        return served_reply(await self._retry(self._scripts.served, keys, args))
 
     # -- read
     async def status(self, job_id: str) -> JobRecord:
-        h = await self.redis.hgetall(self.keys.job(checked_id(job_id)))
+        job = self.keys.job(checked_id(job_id))
+        h = await self._retry(self.redis.hgetall, job)
         if not h:
             raise JobNotFound(job_id)
         return JobRecord.from_hash(job_id, h)
@@ -93,10 +124,13 @@ class AsyncClient:
     async def result(self, job_id: str, timeout: float | None = None) -> JobRecord:
         job, out = self.keys.job(checked_id(job_id)), self.keys.out(job_id)
         start = time.monotonic()
-        while True:
+
+        async def head() -> list[Any]:
             async with self.redis.pipeline(transaction=True) as p:
                 p.hgetall(job).xrevrange(out, "+", "-", count=1)
-                h, last = await p.execute()
+                return await p.execute()
+        while True:
+            h, last = await self._retry(head)
             if not h:
                 raise JobNotFound(job_id)
             if h.get("status") in TERMINAL:
@@ -106,8 +140,8 @@ class AsyncClient:
                 wait = remaining(timeout, start)
                 if wait <= 0:
                     raise ResultTimeout(f"job {job_id!r} not done after {timeout} s")
-                got = entries_of(await self.redis.xread({out: last_id}, count=READ_COUNT,
-                                                        block=block_ms(wait)))
+                got = entries_of(await self._retry(self.redis.xread, {out: last_id},
+                                                   count=READ_COUNT, block=block_ms(wait)))
                 if not got or any(f.get("t") == "final" for _, f in got):
                     break
                 last_id = got[-1][0]
@@ -117,12 +151,12 @@ class AsyncClient:
         """``async for ev in client.stream(id)``; see Client.stream."""
         job, out = self.keys.job(checked_id(job_id)), self.keys.out(job_id)
         cur = Cursor(from_index)
-        if not await self.redis.exists(job):
+        if not await self._retry(self.redis.exists, job):
             raise JobNotFound(job_id)
         quiet_since, block, terminal_seen = time.monotonic(), None, False
         while True:
-            got = entries_of(await self.redis.xread({out: cur.xid}, count=READ_COUNT,
-                                                    block=block))
+            got = entries_of(await self._retry(self.redis.xread, {out: cur.xid},
+                                               count=READ_COUNT, block=block))
             if got:
                 events, gap = cur.take(got)
                 for ev in events:
@@ -132,12 +166,12 @@ class AsyncClient:
                 quiet_since = time.monotonic()
                 if not gap:
                     continue
-            h = await self.redis.hgetall(job)
+            h = await self._retry(self.redis.hgetall, job)
             if not h:
                 raise JobNotFound(job_id)
             if h.get("status") in TERMINAL:
                 if got or terminal_seen:
-                    last = await self.redis.xrevrange(out, "+", "-", count=1)
+                    last = await self._retry(self.redis.xrevrange, out, "+", "-", count=1)
                     fin = final_of(job_id, h, last, cur)
                     if fin is not None:
                         yield fin
@@ -163,12 +197,14 @@ class AsyncClient:
 
     async def subscribe(self, job_id: str, timeout: float | None = None) -> AsyncIterator[Event]:
         """Pub/sub mirror, at-most-once; see Client.subscribe."""
+        chan = self.keys.chan(checked_id(job_id))
+        job, out = self.keys.job(job_id), self.keys.out(job_id)
         ps = self.redis.pubsub(ignore_subscribe_messages=True)
-        await ps.subscribe(self.keys.chan(checked_id(job_id)))
         try:
-            h = await self.redis.hgetall(self.keys.job(job_id))
+            await self._retry(ps.subscribe, chan)
+            h = await self._retry(self.redis.hgetall, job)
             if h.get("status") in TERMINAL:
-                last = await self.redis.xrevrange(self.keys.out(job_id), "+", "-", count=1)
+                last = await self._retry(self.redis.xrevrange, out, "+", "-", count=1)
                 yield final_of(job_id, h, last, Cursor(0))  # type: ignore[misc]
                 return
             quiet_since = time.monotonic()
@@ -176,8 +212,8 @@ class AsyncClient:
                 wait = remaining(timeout, quiet_since)
                 if wait <= 0:
                     raise ResultTimeout(f"no message for job {job_id!r} for {timeout} s")
-                msg = await ps.get_message(ignore_subscribe_messages=True,
-                                           timeout=min(POLL_S, wait))
+                msg = await self._retry(ps.get_message, ignore_subscribe_messages=True,
+                                        timeout=min(POLL_S, wait))
                 if msg is None or msg.get("type") != "message":
                     continue
                 ev = parse_event(json.loads(msg["data"]))
@@ -191,7 +227,7 @@ class AsyncClient:
     # -- cancel
     async def cancel(self, job_id: str) -> bool:
         keys, args = cancel_call(self.keys, checked_id(job_id), self.settings)
-        return check_cancel_reply(await self._scripts.cancel(keys, args), job_id)
+        return check_cancel_reply(await self._retry(self._scripts.cancel, keys, args), job_id)
 
     # -- lifecycle
     async def aclose(self) -> None:

@@ -1,26 +1,91 @@
 """Client subcommands: submit, status, result, cancel.
 
-``register(subparsers)`` adds them to a root parser that defines ``--redis-url`` and
-``--prefix`` (worker/cli.py, or ``main`` below for client-only use); None means "from
-Settings()". Each subparser sets ``func`` = handler(args) -> exit code.
+``register(subparsers)`` adds them to a root parser (worker/cli.py's ``pagedq``, or
+``build_parser`` below for client-only use: ``python -m producer.cli``). ``--redis-url``
+and ``--prefix`` are accepted before or after the subcommand; given in both places, the
+one after the subcommand wins. Unset (None) means "from Settings()", i.e. the environment
+(PAGEDQ_REDIS_URL, PAGEDQ_PREFIX) or the built-in default. Each subparser sets ``func`` =
+handler(args) -> exit code.
 
-Exit codes: 0 ok; 1 the job failed/was cancelled/expired (or cancel found it already
-ended), or Redis/another error; 2 invalid input (nothing enqueued); 3 job not found;
-4 timeout; 5 refused (queue overloaded, or the job id exists with another body).
+Exit codes (of submit --wait/--stream, result, status and cancel):
+
+   0  finished: the job ended normally (or the command did what it was asked)
+   1  Redis or another error; also cancel of a job that had already ended
+   2  invalid input: nothing was enqueued (also command-line usage errors)
+   3  job not found (never submitted, or its record expired after the result TTL)
+   4  client-side wait timeout (--timeout ran out; the job goes on)
+   5  refused: queue overloaded, or the job id exists with another request body
+   6  job failed (the error is printed on stderr)
+   7  job cancelled
+   8  job expired, or ended by its own deadline (timeout_s ran out: a record with
+      status "finished" and finish_reason "deadline"; the partial text is printed)
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import redis
 
 from .client import Client
 from .errors import InvalidRequest, JobConflict, JobNotFound, Overloaded, PagedqError, ResultTimeout
-from .schema import FinalEvent, JobRecord, Status, TokenEvent
+from .schema import FinalEvent, JobRecord, JobRequest, Status, TokenEvent
+from .settings import Settings
 
-EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_NOT_FOUND, EXIT_TIMEOUT, EXIT_REFUSED = 0, 1, 2, 3, 4, 5
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_INVALID = 2
+EXIT_NOT_FOUND = 3
+EXIT_TIMEOUT = 4
+EXIT_REFUSED = 5
+EXIT_JOB_FAILED = 6
+EXIT_JOB_CANCELLED = 7
+EXIT_JOB_EXPIRED = 8
+
+# The table above, for --help epilogs (pagedq, python -m producer.cli).
+EXIT_CODES_HELP = "exit codes of the client commands:\n" + __doc__.split(
+    "Exit codes (of submit --wait/--stream, result, status and cancel):\n\n", 1)[1]
+
+
+def version() -> str:
+    """The installed pagedq version; from pyproject.toml when running from a checkout
+    without the distribution installed."""
+    try:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
+        return dist_version("pagedq")
+    except PackageNotFoundError:
+        pass
+    try:
+        text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+        m = re.search(r'(?m)^version\s*=\s*"([^"]+)"', text)
+        return m.group(1) if m else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def common_options(after_subcommand: bool) -> argparse.ArgumentParser:
+    """``--redis-url`` and ``--prefix`` as a parent parser: once for the root parser
+    (defaults None) and once for every subparser (defaults SUPPRESS, so a value given
+    before the subcommand survives unless one is given after it too)."""
+    p = argparse.ArgumentParser(add_help=False)
+    default = argparse.SUPPRESS if after_subcommand else None
+    fields = Settings.model_fields
+    p.add_argument("--redis-url", metavar="URL", default=default,
+                   help="Redis to use (default: $PAGEDQ_REDIS_URL or "
+                        f"{fields['redis_url'].default})")
+    p.add_argument("--prefix", default=default,
+                   help=f"key prefix (default: $PAGEDQ_PREFIX or {fields['prefix'].default})")
+    return p
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"pagedq {version()}",
+                        help="print 'pagedq <version>' and exit")
 
 
 def _client(args: argparse.Namespace) -> Client:
@@ -29,11 +94,13 @@ def _client(args: argparse.Namespace) -> Client:
 
 
 def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Typed errors -> message on stderr + exit code, never a traceback."""
+    """Typed errors -> one line on stderr + exit code, never a traceback."""
     def run(args: argparse.Namespace) -> int:
         try:
             return fn(args)
-        except (InvalidRequest, ValueError) as e:  # ValueError: bad --prefix/--model
+        except KeyboardInterrupt:
+            return 130
+        except (InvalidRequest, ValueError) as e:  # ValueError: bad --prefix/--model, settings
             code, msg = EXIT_INVALID, str(e)
         except JobNotFound as e:
             code, msg = EXIT_NOT_FOUND, f"job not found: {e.args[0] if e.args else ''}"
@@ -42,19 +109,34 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
         except (Overloaded, JobConflict) as e:
             code, msg = EXIT_REFUSED, str(e)
         except (PagedqError, redis.RedisError) as e:
-            code, msg = EXIT_FAILED, f"{type(e).__name__}: {e}"
-        print(f"pagedq: {msg}", file=sys.stderr)
+            code, msg = EXIT_ERROR, f"{type(e).__name__}: {e}"
+        except Exception as e:  # a CLI reports, it does not trace back
+            code, msg = EXIT_ERROR, f"{type(e).__name__}: {e}"
+        print(f"pagedq: {' '.join(msg.split())}", file=sys.stderr)
         return code
     return run
 
 
-def _report(job_id: str, status: Status, error: str, reason: str) -> int:
-    """Exit code of a terminal job; a non-finished status is explained on stderr."""
+def exit_code_of(status: Status | str, finish_reason: str) -> int:
+    """Exit code of a job in a terminal state (see the table in the module docstring)."""
+    status = Status(status)
     if status == Status.finished:
-        return EXIT_OK
-    print(f"pagedq: job {job_id} {status.value}: {error or reason or 'no detail'}",
-          file=sys.stderr)
-    return EXIT_FAILED
+        return EXIT_JOB_EXPIRED if finish_reason == "deadline" else EXIT_OK
+    return {Status.failed: EXIT_JOB_FAILED, Status.cancelled: EXIT_JOB_CANCELLED,
+            Status.expired: EXIT_JOB_EXPIRED}.get(status, EXIT_ERROR)
+
+
+def _report(job_id: str, status: Status, error: str, reason: str) -> int:
+    """Exit code of a terminal job; anything but a normal finish is explained on stderr."""
+    code = exit_code_of(status, reason)
+    if code == EXIT_OK:
+        return code
+    if status == Status.finished:  # finish_reason "deadline"
+        what = "ended by its deadline (timeout_s): the text is partial"
+    else:
+        what = f"{Status(status).value}: {error or reason or 'no detail'}"
+    print(f"pagedq: job {job_id} {what}", file=sys.stderr)
+    return code
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -82,7 +164,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 return _report(job_id, ev.status, ev.error, ev.finish_reason)
             sys.stdout.flush()
-        return EXIT_FAILED  # stream() always ends with a final event
+        return EXIT_ERROR  # stream() always ends with a final event
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -105,50 +187,77 @@ def cmd_cancel(args: argparse.Namespace) -> int:
             return EXIT_OK
         print(f"pagedq: job {args.id} already {c.status(args.id).status.value}",
               file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_ERROR
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("submit", help="enqueue one generation job, print its id")
+def register(subparsers: argparse._SubParsersAction,
+             parents: Iterable[argparse.ArgumentParser] | None = None) -> None:
+    """Add submit/status/result/cancel. ``parents``: parsers whose options every
+    subcommand also takes (default: ``common_options(after_subcommand=True)``)."""
+    parents = list(parents) if parents is not None else [common_options(True)]
+    req = JobRequest.model_fields
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        return subparsers.add_parser(name, help=help, description=help, parents=parents,
+                                     epilog=EXIT_CODES_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = add("submit", "enqueue one generation job, print its id")
     p.add_argument("text", metavar="TEXT", help="the prompt ('-' reads stdin)")
-    p.add_argument("--chat", action="store_true", help="send TEXT as one user chat message")
-    p.add_argument("--model", help="served model name (default: PAGEDQ_MODEL)")
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true",
+                   help="send TEXT as one user chat message (default: a plain prompt)")
+    p.add_argument("--model", help="served model name = jobs stream "
+                                   f"(default: $PAGEDQ_MODEL or {Settings.model_fields['model'].default})")
+    p.add_argument("--max-tokens", type=int, metavar="N",
+                   help=f"most tokens to generate (default: {req['max_tokens'].default})")
+    p.add_argument("--temperature", type=float, metavar="T",
+                   help=f"sampling temperature, 0 = greedy (default: {req['temperature'].default})")
+    p.add_argument("--top-p", type=float, metavar="P",
+                   help=f"nucleus sampling mass (default: {req['top_p'].default} = off)")
+    p.add_argument("--top-k", type=int, metavar="K",
+                   help=f"sample among the K likeliest tokens (default: {req['top_k'].default} = off)")
+    p.add_argument("--seed", type=int,
+                   help="sampling seed of this job (default: none, the worker's noise stream)")
+    p.add_argument("--stop", action="append", metavar="STR",
+                   help="stop string, repeatable (default: none)")
     p.add_argument("--id", help="job id (default: a new uuid4 hex); resubmitting is idempotent")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", action="store_true",
-                      help="print tokens as they arrive (the job id goes to stderr)")
+                      help="print tokens as they arrive, the job id goes to stderr "
+                           "(default: off, print the job id and return)")
     mode.add_argument("--wait", action="store_true",
-                      help="print the final text (the job id goes to stderr)")
-    p.add_argument("--timeout", type=float,
-                   help="--stream: max seconds without a token; --wait: max seconds in all")
+                      help="print the final text, the job id goes to stderr "
+                           "(default: off, print the job id and return)")
+    p.add_argument("--timeout", type=float, metavar="S",
+                   help="--stream: most seconds without a token; --wait: most seconds in all "
+                        "(default: none, wait forever); exit 4 when it runs out")
     p.set_defaults(func=_guarded(cmd_submit))
 
-    p = subparsers.add_parser("status", help="print a job's record as JSON")
+    p = add("status", "print a job's record as JSON")
     p.add_argument("id", metavar="ID")
     p.set_defaults(func=_guarded(cmd_status))
 
-    p = subparsers.add_parser("result", help="wait for a job and print its final text")
+    p = add("result", "wait for a job to end, print its final text; the exit code "
+                      "tells how it ended")
     p.add_argument("id", metavar="ID")
-    p.add_argument("--timeout", type=float)
+    p.add_argument("--timeout", type=float, metavar="S",
+                   help="most seconds to wait (default: none, wait forever); exit 4 when it "
+                        "runs out")
     p.set_defaults(func=_guarded(cmd_result))
 
-    p = subparsers.add_parser("cancel", help="cancel a queued or running job; prints its status "
-                               "after the request (cancelled, or running until it stops)")
+    p = add("cancel", "cancel a queued or running job; prints its status after the request "
+                      "(cancelled, or running until it stops); exit 1 if it had already ended")
     p.add_argument("id", metavar="ID")
     p.set_defaults(func=_guarded(cmd_cancel))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedq-client", description=__doc__.split("\n")[0])
-    parser.add_argument("--redis-url", help="default: PAGEDQ_REDIS_URL")
-    parser.add_argument("--prefix", help="key prefix (default: PAGEDQ_PREFIX)")
-    register(parser.add_subparsers(dest="command", required=True))
+    parser = argparse.ArgumentParser(
+        prog="pagedq-client", parents=[common_options(False)],
+        description="pagedq client commands: submit, status, result, cancel.",
+        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version(parser)
+    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     return parser
 
 
@@ -156,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     """Client-only entry point: ``python -m producer.cli [--redis-url U] submit ...``."""
     try:
         args = build_parser().parse_args(argv)
-    except SystemExit as e:  # argparse: usage error (2) or --help (0)
-        return int(e.code or 0)
+    except SystemExit as e:  # argparse: usage error (2), --help/--version (0)
+        return EXIT_OK if e.code is None else e.code if isinstance(e.code, int) else EXIT_INVALID
     return args.func(args)
 
 

@@ -29,3 +29,8 @@ class ResultTimeout(PagedqError, TimeoutError):
 class EventsTrimmed(PagedqError):
     """The job's event log no longer holds the requested index (trimmed by its MAXLEN cap)
     while the job is still running; resume from a later index or wait for the result."""
+
+
+class NoWorker(PagedqError):
+    """``submit(..., require_worker=True)``: no live worker serves the job's model. Nothing
+    was enqueued."""

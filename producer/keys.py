@@ -68,6 +68,16 @@ class Keys:
         """Sorted set of worker ids scored by last heartbeat time."""
         return f"{self.base}:workers"
 
+    def serving(self, model: str) -> str:
+        """Sorted set of the worker ids serving ``model``, scored by heartbeat expiry time
+        (a member whose score is in the past is dead)."""
+        return f"{self.base}:serving:{model}"
+
+    @property
+    def models(self) -> str:
+        """Set of the model names jobs were ever submitted for (the expiry sweep's list)."""
+        return f"{self.base}:models"
+
     def queued_tokens(self, model: str) -> str:
         """Approximate prompt+max tokens of jobs queued but not started (backpressure)."""
         return f"{self.base}:qtokens:{model}"

@@ -18,28 +18,68 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .errors import InvalidRequest, JobConflict, JobNotFound, Overloaded
+from .errors import InvalidRequest, JobConflict, JobNotFound, NoWorker, Overloaded
 from .keys import GROUP, Keys, check_job_id
-from .schema import SCHEMA_VERSION, JobRequest
+from .schema import SCHEMA_VERSION, JobRequest, describe
 from .settings import Settings
 
 # KEYS: 1 job hash, 2 jobs stream, 3 queued-tokens counter, 4 out stream,
-#       5 queued-jobs counter
+#       5 queued-jobs counter, 6 serving zset of the model, 7 models set
 # ARGV: 1 job id, 2 body JSON, 3 req_hash, 4 model, 5 qtok, 6 timeout_s or "",
 #       7 max_queued_jobs (0 = unlimited), 8 max_queued_tokens (0 = unlimited),
-#       9 consumer group name, 10 schema version
+#       9 consumer group name, 10 schema version, 11 require_worker ("1" or "0")
 # Reply: {"queued", entry_id} | {"exists", status} | {"conflict", ""}
-#        | {"overloaded", cap_name, cap, current}
+#        | {"overloaded", cap_name, cap, current} | {"invalid", reason} | {"no_worker", model}
 SUBMIT_LUA = r"""
 local job, stream, qkey, out = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+-- The script checks its own arguments: a producer in any language may call it, and a bad
+-- argument must be refused here, not leave a job that no worker can run or count.
+local id, model = ARGV[1], ARGV[4]
+local function bad(reason) return {'invalid', reason} end
+if #id < 1 or #id > 128 or string.find(id, '^[%w_.:%-]+$') == nil then
+  return bad('job id must be 1-128 of [A-Za-z0-9_.:-]')
+end
+if #model < 1 or #model > 128 or string.find(model, '^[%w_.%-]+$') == nil then
+  return bad('model must be 1-128 of [A-Za-z0-9_.-]')
+end
+local function ends(s, suffix) return string.sub(s, -#suffix) == suffix end
+if not (ends(job, '}:job:' .. id) and ends(out, '}:out:' .. id) and ends(stream, '}:jobs:' .. model)
+        and ends(qkey, '}:qtokens:' .. model) and ends(KEYS[5], '}:qjobs:' .. model)
+        and ends(KEYS[6], '}:serving:' .. model) and ends(KEYS[7], '}:models')) then
+  return bad('KEYS do not name this job id and model (see docs/protocol.md)')
+end
+for _, i in ipairs({5, 7, 8}) do
+  if string.find(ARGV[i], '^%d+$') == nil or #ARGV[i] > 15 then
+    return bad('ARGV[' .. i .. '] must be a non-negative integer')
+  end
+end
+if ARGV[6] ~= '' and not (tonumber(ARGV[6]) and tonumber(ARGV[6]) > 0) then
+  return bad('timeout_s must be empty or a positive number')
+end
+if ARGV[9] ~= 'workers' then return bad('consumer group must be "workers"') end
+if ARGV[10] ~= '1' then return bad('schema version must be 1') end
+if string.find(ARGV[3], '^%x+$') == nil or #ARGV[3] ~= 64 then
+  return bad('req_hash must be the hex SHA-256 of the body')
+end
+local ok, obj = pcall(cjson.decode, ARGV[2])
+if not ok or type(obj) ~= 'table' or string.find(ARGV[2], '^%s*{') == nil then
+  return bad('body must be a JSON object')
+end
+if obj.id ~= nil and obj.id ~= id then return bad('body id differs from the job id') end
+if obj.model ~= nil and obj.model ~= model then return bad('body model differs from the model') end
 if redis.call('EXISTS', job) == 1 then
   if redis.call('HGET', job, 'req_hash') == ARGV[3] then
     return {'exists', redis.call('HGET', job, 'status') or ''}
   end
   return {'conflict', ''}
 end
+local t = redis.call('TIME')
+if ARGV[11] == '1' and redis.call('ZCOUNT', KEYS[6], t[1], '+inf') == 0 then
+  return {'no_worker', model}  -- serving scores are heartbeat expiry times
+end
 -- queued = jobs submitted and not yet started/cancelled: an exact counter kept by whoever
--- moves a job out of 'queued' (worker START, CANCEL), atomically with the status change.
+-- moves a job out of 'queued' (worker START, CANCEL, REJECT, expiry), atomically with the
+-- status change.
 -- id 0: a group created after jobs were added still delivers them (BUSYGROUP ignored).
 redis.pcall('XGROUP', 'CREATE', stream, ARGV[9], '0', 'MKSTREAM')
 local queued = tonumber(redis.call('GET', KEYS[5]) or '0') or 0
@@ -47,12 +87,11 @@ local qtok, maxj, maxt = tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[8])
 if maxj > 0 and queued >= maxj then
   return {'overloaded', 'max_queued_jobs', tostring(maxj), tostring(queued)}
 end
-local cur = tonumber(redis.call('GET', qkey) or '0')
+local cur = tonumber(redis.call('GET', qkey) or '0') or 0
 -- A single job larger than the cap is admitted into an empty queue, else it never could be.
 if maxt > 0 and cur > 0 and cur + qtok > maxt then
   return {'overloaded', 'max_queued_tokens', tostring(maxt), tostring(cur)}
 end
-local t = redis.call('TIME')
 local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
 local deadline = ''
 if ARGV[6] ~= '' then
@@ -60,11 +99,12 @@ if ARGV[6] ~= '' then
 end
 -- A job id reused after its record expired starts with an empty event log.
 redis.call('DEL', out)
-redis.call('HSET', job, 'status', 'queued', 'model', ARGV[4], 'attempt', '0',
+redis.call('HSET', job, 'status', 'queued', 'model', model, 'attempt', '0',
            'created_at', now, 'req_hash', ARGV[3], 'qtok', ARGV[5], 'deadline', deadline)
 redis.call('INCRBY', qkey, qtok)
 redis.call('INCR', KEYS[5])
-local eid = redis.call('XADD', stream, '*', 'job', ARGV[1], 'body', ARGV[2], 'v', ARGV[10])
+redis.call('SADD', KEYS[7], model)
+local eid = redis.call('XADD', stream, '*', 'job', id, 'body', ARGV[2], 'v', ARGV[10])
 redis.call('HSET', job, 'entry', eid)
 return {'queued', eid}
 """
@@ -120,15 +160,39 @@ return 'cancelled'
 """
 
 
+# Models with live workers. KEYS: models set   ARGV: key base '{P}'
+# -> {model, live worker count, ...} for every model of the set
+SERVED_LUA = r"""
+local t = redis.call('TIME')
+local out = {}
+for _, m in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  out[#out + 1] = m
+  out[#out + 1] = redis.call('ZCOUNT', ARGV[1] .. ':serving:' .. m, t[1], '+inf')
+end
+return out
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class Scripts:
     submit: Any  # redis.commands.core.Script or AsyncScript
     cancel: Any
+    served: Any
 
 
 def register(r: Any) -> Scripts:
-    """Register both scripts on a sync or asyncio redis client (no round trip)."""
-    return Scripts(submit=r.register_script(SUBMIT_LUA), cancel=r.register_script(CANCEL_LUA))
+    """Register the scripts on a sync or asyncio redis client (no round trip)."""
+    return Scripts(submit=r.register_script(SUBMIT_LUA), cancel=r.register_script(CANCEL_LUA),
+                   served=r.register_script(SERVED_LUA))
+
+
+def served_call(keys: Keys) -> tuple[list[str], list[str]]:
+    return [keys.models], [keys.base]
+
+
+def served_reply(reply: Any) -> dict[str, int]:
+    pairs = list(reply or [])
+    return {_s(m): int(n) for m, n in zip(pairs[::2], pairs[1::2], strict=True) if int(n) > 0}
 
 
 def req_hash(body: str) -> str:
@@ -144,18 +208,19 @@ def queued_tokens_of(req: JobRequest) -> int:
     return chars // 4 + req.max_tokens
 
 
-def submit_call(keys: Keys, req: JobRequest, settings: Settings) -> tuple[list[str], list[str]]:
+def submit_call(keys: Keys, req: JobRequest, settings: Settings,
+                require_worker: bool = False) -> tuple[list[str], list[str]]:
     """KEYS and ARGV of SUBMIT_LUA for a validated request that has an id."""
     if req.id is None:
         raise ValueError("submit_call needs a request with an id")
     body = req.body_json()
     return (
         [keys.job(req.id), keys.jobs(req.model), keys.queued_tokens(req.model), keys.out(req.id),
-         keys.queued_jobs(req.model)],
+         keys.queued_jobs(req.model), keys.serving(req.model), keys.models],
         [req.id, body, req_hash(body), req.model, str(queued_tokens_of(req)),
          "" if req.timeout_s is None else str(float(req.timeout_s)),
          str(settings.max_queued_jobs), str(settings.max_queued_tokens), GROUP,
-         str(SCHEMA_VERSION)],
+         str(SCHEMA_VERSION), "1" if require_worker else "0"],
     )
 
 
@@ -169,6 +234,10 @@ def check_submit_reply(reply: Any, job_id: str) -> str:
     if kind == "overloaded":
         cap, limit, cur = (_s(x) for x in reply[1:4])
         raise Overloaded(f"queue is full: {cap}={limit} (currently {cur}); retry later")
+    if kind == "invalid":
+        raise InvalidRequest(f"submit refused: {_s(reply[1])}")
+    if kind == "no_worker":
+        raise NoWorker(f"no live worker serves model {_s(reply[1])!r}; nothing was enqueued")
     raise RuntimeError(f"unexpected submit script reply {reply!r}")
 
 
@@ -198,16 +267,7 @@ def validate_request(data: dict[str, Any] | JobRequest) -> JobRequest:
     try:
         return JobRequest.model_validate(data)
     except ValidationError as e:
-        raise InvalidRequest(_describe(e)) from None
-
-
-def _describe(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "invalid job request: " + "; ".join(parts)
+        raise InvalidRequest("invalid job request: " + describe(e)) from None
 
 
 def build_request(prompt: str | list[int] | None, messages: list[Any] | None, model: str,

@@ -20,6 +20,9 @@ class Settings(BaseSettings):
     # clients: each concurrent stream()/result() wait holds one connection; past this many
     # a call waits for a free connection (redis-py's own default, 100, raises instead)
     client_max_connections: int = Field(1024, ge=1)
+    # clients: how long one call keeps retrying connection failures (a Redis restart,
+    # LOADING while it reads its AOF) with capped exponential backoff; 0 = no retry
+    client_retry_s: float = Field(30.0, ge=0)
 
     # results and event logs
     result_ttl_s: int = Field(86400, ge=1)  # job hash + out stream TTL after the job ends
@@ -30,6 +33,10 @@ class Settings(BaseSettings):
     lease_s: float = Field(30.0, gt=0)  # entry idle time after which another worker may claim it
     max_deliveries: int = Field(3, ge=1)  # attempts before a job goes to the DLQ
     heartbeat_ttl_s: float = Field(15.0, gt=0)
+    # a queued job of a model no live worker serves expires after this long (0 = never)
+    unserved_timeout_s: float = Field(3600.0, ge=0)
+    # dead-letter entries are kept this long (trimmed by entry age; bodies truncated)
+    dlq_ttl_s: int = Field(7 * 86400, ge=60)
 
     # backpressure (producer side refuses with Overloaded past these; 0 = unlimited)
     max_queued_jobs: int = Field(0, ge=0)
@@ -48,5 +55,13 @@ class Settings(BaseSettings):
 
     # worker shutdown
     drain_timeout_s: float = Field(30.0, ge=0)
-    step_watchdog_s: float = Field(120.0, gt=0)  # a step longer than this is a wedged engine
+    # a step longer than this (or 20x the slowest recent steps, if more) is a wedged engine
+    step_watchdog_s: float = Field(120.0, gt=0)
+    # keep engine steps about this short on slow devices by chunking prefills finer, so
+    # leases and heartbeats are refreshed between steps (0 = never lower the token budget)
+    max_step_s: float = Field(2.0, ge=0)
+    # refuse a prompt whose estimated prefill on this worker takes longer (0 = no limit;
+    # a job with a deadline is also refused when the estimate passes its deadline)
+    max_prefill_s: float = Field(0.0, ge=0)
     metrics_port: int = Field(0, ge=0)  # 0 = no HTTP metrics endpoint
+    metrics_host: str = "127.0.0.1"  # address the metrics endpoint binds (0.0.0.0 = all)

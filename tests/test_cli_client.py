@@ -1,17 +1,25 @@
 """Client CLI (producer.cli.main) against a real redis-server, and the no-torch import rule."""
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
+import producer.cli as client_cli
 from producer import Client
-from producer.cli import main
+from producer.cli import build_parser, main, version
+from producer.keys import out_entry_id
+from producer.schema import final_fields
 from tests.test_producer import DELTAS, bg, play, write_final
+from tests.worker_proc import ROOT
 
 MODEL = "m1"
 
@@ -94,7 +102,7 @@ def test_result_failures_and_timeouts(c, capsys):
     c.redis.hset(c.keys.job(jid), "status", "running")
     write_final(c, jid, 0, "part", status="failed", error="CUDA out of memory")
     code, out, err = cli(c, capsys, "result", jid)
-    assert code == 1 and out == "part\n" and "failed: CUDA out of memory" in err
+    assert code == 6 and out == "part\n" and "failed: CUDA out of memory" in err
     assert cli(c, capsys, "status", "missing")[0] == 3
     assert cli(c, capsys, "result", "missing")[0] == 3
 
@@ -105,7 +113,7 @@ def test_cancel(c, capsys):
     code, _, err = cli(c, capsys, "cancel", jid)
     assert code == 1 and "already cancelled" in err
     code, out, err = cli(c, capsys, "result", jid)
-    assert code == 1 and "cancelled" in err
+    assert code == 7 and "cancelled" in err
     run = c.submit("y")
     c.redis.hset(c.keys.job(run), "status", "running")
     assert cli(c, capsys, "cancel", run)[:2] == (0, "running\n")
@@ -118,3 +126,159 @@ def test_producer_never_imports_torch():
             "assert 'torch' not in sys.modules, 'torch imported'; "
             "assert not any(m.split('.')[0] in ('engine', 'worker') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ---- exit codes by how the job ended ---------------------------------------------------
+
+def finish(c: Client, job_id: str, status: str, reason: str, text: str = "", error: str = "",
+           index: int = 0) -> None:
+    """A worker's finish with a chosen finish_reason: final event + terminal hash."""
+    with c.redis.pipeline(transaction=True) as p:
+        p.xadd(c.keys.out(job_id), final_fields(index, status, reason, text, error, 3, index),
+               id=out_entry_id(index))
+        p.hset(c.keys.job(job_id), mapping={"status": status, "text": text, "error": error,
+                                              "finish_reason": reason})
+        p.execute()
+
+
+@pytest.mark.parametrize("status,reason,code", [
+    ("finished", "stop", 0), ("finished", "length", 0), ("failed", "error", 6),
+    ("cancelled", "cancelled", 7), ("expired", "deadline", 8),
+    ("finished", "deadline", 8),  # timeout_s ran out mid-generation: not a success
+])
+def test_result_exit_code_by_outcome(c, capsys, status, reason, code):
+    jid = c.submit("x")
+    c.redis.hset(c.keys.job(jid), "status", "running")
+    finish(c, jid, status, reason, "part", "boom" if status == "failed" else "")
+    got, out, err = cli(c, capsys, "result", jid)
+    assert (got, out) == (code, "part\n")
+    if code == 0:
+        assert err == ""
+    else:
+        assert len(err.splitlines()) == 1 and err.startswith(f"pagedq: job {jid} ")
+    if (status, reason) == ("finished", "deadline"):
+        assert "deadline" in err and "partial" in err
+
+
+@pytest.mark.parametrize("mode", ["--stream", "--wait"])
+def test_submit_stream_and_wait_exit_8_when_the_deadline_ends_the_job(c, capsys, mode):
+    jid = "d" + mode.strip("-")
+    text = "".join(DELTAS[:2])
+
+    def worker():
+        play_when_submitted(c, jid, DELTAS[:2], finish=False)
+        finish(c, jid, "finished", "deadline", text, index=2)
+
+    t = bg(worker)
+    code, out, err = cli(c, capsys, "submit", "--model", MODEL, "--id", jid, mode,
+                         "--timeout", "5", "x")
+    t.join()
+    assert (code, out) == (8, text + "\n") and "deadline" in err
+
+
+def test_result_exit_code_of_a_real_process(c):
+    """`python -m producer.cli result` with the root options after the subcommand."""
+    jid = c.submit("x")
+    finish(c, jid, "finished", "deadline", "half")
+    r = subprocess.run([sys.executable, "-m", "producer.cli", "result", jid, "--redis-url", c.url,
+                        "--prefix", c.keys.prefix], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT)
+    assert (r.returncode, r.stdout) == (8, "half\n") and "deadline" in r.stderr
+
+
+def test_exit_code_constants_match_the_documented_table():
+    codes = {n: v for n, v in vars(client_cli).items()
+             if n.startswith("EXIT_") and isinstance(v, int)}
+    assert sorted(codes.values()) == list(range(9))  # one name per code, 0..8
+    assert (client_cli.EXIT_JOB_FAILED, client_cli.EXIT_JOB_CANCELLED,
+            client_cli.EXIT_JOB_EXPIRED) == (6, 7, 8)
+    for v in codes.values():
+        assert re.search(rf"(?m)^ +{v}  \S", client_cli.__doc__)
+        assert re.search(rf"(?m)^ +{v}  \S", client_cli.EXIT_CODES_HELP)
+    assert client_cli.exit_code_of("finished", "deadline") == 8
+    assert client_cli.exit_code_of("finished", "stop") == 0
+
+
+# ---- --redis-url/--prefix before or after the subcommand -------------------------------
+
+WRONG = ["--redis-url", "redis://127.0.0.1:1/0", "--prefix", "wrongprefix"]
+
+
+@pytest.mark.parametrize("where", ["before", "after", "after_text", "both"])
+def test_root_options_before_or_after_the_subcommand(c, capsys, where):
+    opts = ["--redis-url", c.url, "--prefix", c.keys.prefix]
+    argv = {"before": [*opts, "submit", "--model", MODEL, "x"],
+            "after": ["submit", *opts, "--model", MODEL, "x"],
+            "after_text": ["submit", "--model", MODEL, "x", *opts],
+            # given in both places, the value after the subcommand wins
+            "both": [*WRONG, "submit", *opts, "--model", MODEL, "x"]}[where]
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert c.redis.xlen(c.keys.jobs(MODEL)) == 1 and out.strip()
+
+
+@pytest.mark.parametrize("cmd", ["status", "result", "cancel"])
+def test_every_client_command_takes_the_root_options_after_it(cmd):
+    p = build_parser()
+    a = p.parse_args([cmd, "--redis-url", "redis://h:1/0", "--prefix", "px", "ID"])
+    assert (a.redis_url, a.prefix, a.id) == ("redis://h:1/0", "px", "ID")
+    a = p.parse_args(["--redis-url", "redis://h:1/0", "--prefix", "px", cmd, "ID"])
+    assert (a.redis_url, a.prefix) == ("redis://h:1/0", "px")
+    a = p.parse_args(["--prefix", "one", cmd, "--prefix", "two", "ID"])
+    assert a.prefix == "two" and a.redis_url is None
+    assert p.parse_args([cmd, "ID"]).redis_url is None  # None = from Settings()
+
+
+def test_usage_error_exits_2(capsys):
+    assert main(["submit", "--no-such-option", "x"]) == 2
+    assert main([]) == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+# ---- --version and help text -----------------------------------------------------------
+
+def test_version(capsys):
+    expected = f"pagedq {importlib.metadata.version('pagedq')}\n"
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == expected
+    r = subprocess.run([sys.executable, "-m", "producer.cli", "--version"], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    assert (r.returncode, r.stdout) == (0, expected)
+
+
+def test_version_falls_back_to_pyproject(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with open(f"{ROOT}/pyproject.toml") as f:
+        expected = re.search(r'(?m)^version = "(.+)"', f.read())[1]
+    assert version() == expected
+
+
+def parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """The parser and every subparser under it."""
+    yield parser
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                yield from parsers(sub)
+
+
+def options_without_default(parser: argparse.ArgumentParser) -> list[str]:
+    bad = []
+    for p in parsers(parser):
+        for a in p._actions:
+            if not a.option_strings or isinstance(a, argparse._HelpAction | argparse._VersionAction):
+                continue
+            text = p._get_formatter()._expand_help(a) if a.help else ""
+            if "default" not in text:
+                bad.append(f"{p.prog} {a.option_strings[0]}")
+    return bad
+
+
+def test_every_option_help_states_its_default():
+    p = build_parser()
+    assert len(list(parsers(p))) == 5
+    assert options_without_default(p) == []

@@ -123,19 +123,30 @@ def test_ack_lost_after_result_written_gives_no_second_result(svc):
 
 
 def test_duplicate_claim_of_running_job_fences_the_stale_owner(svc):
-    # A's steps take longer than the lease, so B claims A's job while A is still alive.
-    a = svc.worker(env={"PAGEDQ_FAILPOINTS": "step_sleep_s=3.0"})
+    # A is frozen (SIGSTOP: a VM pause, a swap storm) longer than the lease, so B claims
+    # A's job while A is still alive; when A wakes up, its late writes must be refused.
+    a = svc.worker(env={"PAGEDQ_FAILPOINTS": "step_sleep_s=0.3"})
     c = svc.client()
-    job = gen(c, max_tokens=12)
+    job = gen(c, max_tokens=40)
     wait_tokens(c, job, 1)
-    svc.worker()
+    a.signal(signal.SIGSTOP)
+    try:
+        svc.worker()
+        deadline = time.monotonic() + 60
+        while c.status(job).attempt < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.status(job).attempt >= 2
+    finally:
+        a.signal(signal.SIGCONT)
     rec, _evs = check_consistent(c, job)
     assert rec.attempt >= 2 and rec.worker != a.worker_id
-    assert rec.usage.completion_tokens == 12
-    time.sleep(4)  # A's late writes for the job must have been refused
+    assert rec.usage.completion_tokens == 40
+    deadline = time.monotonic() + 30
+    while "job_lost" not in a.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "job_lost" in a.log()  # A saw it was fenced off and dropped the job
     rec2, _ = check_consistent(c, job)
     assert rec2 == rec
-    assert "job_lost" in a.log()
 
 
 def test_restart_recovers_own_pending_entries_before_the_lease(svc):
@@ -277,20 +288,31 @@ def test_long_job_not_reclaimed_while_its_worker_is_alive(svc):
 
 
 def test_absent_reader_out_stream_is_capped_and_expires(svc):
-    svc.worker(env={"PAGEDQ_OUT_MAXLEN": "100", "PAGEDQ_RESULT_TTL_S": "120"})
+    # XADD MAXLEN ~ only drops whole stream nodes (stream-node-max-entries, default 100
+    # entries), and a busy worker merges tokens into fewer events, so with the defaults the
+    # head of a 250-token job's log need not be trimmed at all. With 5-entry nodes and a cap
+    # of 10 it is trimmed once about 15 events exist (the job writes far more).
+    maxlen, node = 10, 5
     c = svc.client()
+    c.redis.config_set("stream-node-max-entries", node)  # before the out stream exists
+    svc.worker(env={"PAGEDQ_OUT_MAXLEN": str(maxlen), "PAGEDQ_RESULT_TTL_S": "120"})
     job = gen(c, max_tokens=250)
     rec = c.result(job, timeout=120)
     assert rec.status == "finished"
-    assert c.redis.xlen(c.keys.out(job)) < 251
-    assert 0 < c.redis.ttl(c.keys.out(job)) <= 120
+    out = c.keys.out(job)
+    last_id = c.redis.xrevrange(out, count=1)[0][0]
+    last = int(last_id.split("-")[1]) - 1  # event i lives at id 0-(i+1)
+    assert last >= maxlen + node  # enough events were written for trimming to be due
+    # capped: each XADD drops whole head nodes while length - head node size >= maxlen
+    assert c.redis.xlen(out) < maxlen + node
+    first_id = c.redis.xrange(out, count=1)[0][0]
+    assert int(first_id.split("-")[1]) - 1 > 0  # the head really was trimmed
+    assert 0 < c.redis.ttl(out) <= 120
     assert 0 < c.redis.ttl(c.keys.job(job)) <= 120
     # the head of the log is gone: a reader from 0 of the finished job gets the final event
     # (complete text), a reader of a running job would get EventsTrimmed
     evs = list(c.stream(job, from_index=0, timeout=10))
-    assert len(evs) == 1 and evs[0].text == rec.text
-    last_id = c.redis.xrevrange(c.keys.out(job), count=1)[0][0]
-    last = int(last_id.split("-")[1]) - 1  # event i lives at id 0-(i+1)
+    assert len(evs) == 1 and isinstance(evs[0], FinalEvent) and evs[0].text == rec.text
     assert list(c.stream(job, from_index=last, timeout=10))[-1].text == rec.text
 
 

@@ -1,14 +1,20 @@
-"""Turning a jobs-stream entry into engine input (validation at the boundary)."""
+"""Turning a jobs-stream entry into engine input (validation at the boundary), and the
+state of a job this worker owns.
+
+A job of ``n`` choices runs as n engine requests: ``job_id`` when n == 1, else
+``job_id#k`` for choice k (the engine aborts ``job_id`` and every ``job_id#k`` together).
+"""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams
 from producer.keys import JOB_ID_RE
-from producer.schema import JobRequest
+from producer.schema import JobRequest, clean_logprob, describe
 
 
 class BadEntry(ValueError):
@@ -17,6 +23,13 @@ class BadEntry(ValueError):
     def __init__(self, reason: str, job_id: str = "") -> None:
         super().__init__(reason)
         self.job_id = job_id
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # resumed + generated
+    finish_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -29,45 +42,100 @@ class Job:
     request: JobRequest
     deadline: float | None = None
     prompt_tokens: int = 0
-    completion_tokens: int = 0
-    text: list[str] = field(default_factory=list)
+    choices: list[ChoiceState] = field(default_factory=list)
     admitted_at: float = 0.0  # time.monotonic() at admission
+    queue_wait_s: float = 0.0  # submission to admission (Redis clock)
     last_token_at: float | None = None
 
+    def __post_init__(self) -> None:
+        if not self.choices:
+            self.choices = [ChoiceState() for _ in range(self.request.n)]
 
-def parse_entry(fields: dict[str, str]) -> JobRequest:
-    """Validate a raw stream entry. Raises BadEntry with a reason a user can act on."""
+    def request_id(self, k: int) -> str:
+        return self.job_id if self.request.n == 1 else f"{self.job_id}#{k}"
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.choices[0].text)
+
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason or "stop"
+
+    def choices_json(self) -> list[dict[str, Any]] | None:
+        """The final event's ``choices`` (n > 1 only)."""
+        if self.request.n == 1:
+            return None
+        return [{"index": k, "text": "".join(c.text), "finish_reason": c.finish_reason or "",
+                 "completion_tokens": len(c.token_ids)} for k, c in enumerate(self.choices)]
+
+
+def split_request_id(rid: str) -> tuple[str, int]:
+    """Engine request id -> (job id, choice). Job ids never contain '#'."""
+    job_id, sep, k = rid.partition("#")
+    return job_id, int(k) if sep else 0
+
+
+def parse_entry(fields: dict[str, str], model: str) -> JobRequest:
+    """Validate a raw stream entry. Raises BadEntry with a reason a user can act on.
+
+    The worker's connection decodes with ``surrogateescape``: bytes that are not UTF-8
+    arrive as lone surrogates, so an undecodable entry is refused here, never raised."""
     job_id = fields.get("job", "")
-    if not JOB_ID_RE.match(job_id or ""):
+    if not (isinstance(job_id, str) and JOB_ID_RE.match(job_id)):
         job_id = ""
     body = fields.get("body")
     if body is None:
         raise BadEntry("malformed entry: no 'body' field", job_id)
     try:
+        body.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadEntry("malformed entry: body is not valid UTF-8", job_id) from None
+    try:
         data = json.loads(body)
-    except (json.JSONDecodeError, TypeError) as e:
-        raise BadEntry(f"malformed entry: body is not JSON ({e.msg if hasattr(e, 'msg') else e})",
-                       job_id) from None
+    except json.JSONDecodeError as e:
+        raise BadEntry(f"malformed entry: body is not JSON ({e.msg})", job_id) from None
+    except RecursionError:
+        raise BadEntry("malformed entry: body is nested too deeply", job_id) from None
     if not isinstance(data, dict):
         raise BadEntry("malformed entry: body is not a JSON object", job_id)
     try:
         req = JobRequest.model_validate(data)
     except ValidationError as e:
-        errs = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'body'}: {x['msg']}"
-                         for x in e.errors()[:5])
-        raise BadEntry(f"invalid request: {errs}", job_id) from None
+        raise BadEntry(f"invalid request: {describe(e, 5)}", job_id) from None
     if not job_id:
         raise BadEntry("malformed entry: missing or invalid 'job' id", "")
     if req.id is not None and req.id != job_id:
         raise BadEntry("malformed entry: body id differs from the entry's job id", job_id)
+    if req.model != model:
+        raise BadEntry(f"malformed entry: body model {req.model!r} differs from the stream's "
+                       f"model {model!r}", job_id)
     return req
 
 
-def sampling_params(req: JobRequest) -> SamplingParams:
+def sampling_params(req: JobRequest, choice: int = 0) -> SamplingParams:
+    """Engine parameters of one choice: choice k of a seeded job draws from seed + k."""
+    seed = None if req.seed is None else (req.seed + choice) % 2**63
     return SamplingParams(
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-        top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+        top_k=req.top_k, min_p=req.min_p, seed=seed,
         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, stop=list(req.stop),
         stop_token_ids=list(req.stop_token_ids), min_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+
+
+def logprobs_json(lps: list[Any], token_text) -> list[dict[str, Any]]:
+    """Engine TokenLogprobs -> the wire's ``lp`` entries (docs/protocol.md):
+    ``{"id", "token", "logprob", "rank", "top": [{"id", "token", "logprob"}]}``."""
+    return [{"id": lp.token_id, "token": token_text(lp.token_id),
+             "logprob": clean_logprob(lp.logprob), "rank": lp.rank,
+             "top": [{"id": t, "token": token_text(t), "logprob": clean_logprob(v)}
+                     for t, v in lp.top]} for lp in lps]

@@ -6,34 +6,58 @@ the loop's entries go idle, so other workers reclaim its jobs.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import redis
 import structlog
 
 from producer.keys import GROUP
+from worker import fatal, faults
 
 if TYPE_CHECKING:
     from worker.service import Worker
 
 log = structlog.get_logger("pagedq.liveness")
+PRUNE_AFTER_S = 3600.0  # a worker silent this long leaves {P}:workers and {P}:serving:*
 
 
 def beat(w: Worker) -> None:
-    """Queue one heartbeat + lease refresh + queue-metrics read (from the engine loop)."""
+    """Queue one heartbeat + lease refresh (from the engine loop, or from the watchdog
+    while a step runs within its limit). The worker's entry in ``{P}:serving:{model}`` is
+    scored by its heartbeat's expiry time; members expired long ago are pruned there and
+    in ``{P}:workers``."""
     now = time.time()
     wk, ttl = w.keys.worker(w.worker_id), int(w.s.heartbeat_ttl_s) + 1
     eng = w.engine
-    state = {"model": w.model, "running": len(w.jobs), "at": f"{now:.3f}",
-             "kv_usage": f"{eng.kv_cache_usage:.4f}"}
     owned = list(w.jobs.values())
+    faults.maybe_raise("heartbeat", [j.job_id for j in owned])
+    state = {"model": w.model, "running": len(owned), "at": f"{now:.3f}",
+             "kv_usage": f"{eng.kv_cache_usage:.4f}"}
     refresh_keys = [w.stream] + [w.keys.job(j.job_id) for j in owned]
     refresh_args: list = [GROUP, w.worker_id]
     for j in owned:
         refresh_args += [j.entry_id, j.attempt]
-    m = w.metrics
+    serving, prune_before = w.keys.serving(w.model), now - PRUNE_AFTER_S
+
+    def write(pipe) -> None:
+        pipe.hset(wk, mapping=state)
+        pipe.expire(wk, ttl)
+        pipe.zadd(w.keys.workers, {w.worker_id: now})
+        pipe.zremrangebyscore(w.keys.workers, "-inf", prune_before)
+        pipe.zadd(serving, {w.worker_id: now + ttl})
+        pipe.sadd(w.keys.models, w.model)
+        pipe.zremrangebyscore(serving, "-inf", prune_before)
+        if owned:
+            w.refresh_script(keys=refresh_keys, args=refresh_args, client=pipe)
+
+    w.publisher.call(write)
+
+
+def engine_gauges(w: Worker) -> None:
+    m, eng = w.metrics, w.engine
     m.running.set(eng.num_running)
     m.waiting.set(eng.num_waiting)
     m.kv_usage.set(eng.kv_cache_usage)
@@ -42,14 +66,17 @@ def beat(w: Worker) -> None:
         m.preemptions.inc(preempted - w.preemptions_seen)
         w.preemptions_seen = preempted
 
-    def write(pipe) -> None:
-        pipe.hset(wk, mapping=state)
-        pipe.expire(wk, ttl)
-        pipe.zadd(w.keys.workers, {w.worker_id: now})
-        if owned:
-            w.refresh_script(keys=refresh_keys, args=refresh_args, client=pipe)
 
-    w.publisher.call(write)
+def leave(w: Worker) -> None:
+    """A clean stop: no longer listed as serving (clients asking require_worker see it)."""
+    try:
+        pipe = w.r.pipeline(transaction=False)
+        pipe.zrem(w.keys.serving(w.model), w.worker_id)
+        pipe.zrem(w.keys.workers, w.worker_id)
+        pipe.delete(w.keys.worker(w.worker_id))
+        pipe.execute()
+    except redis.RedisError as e:
+        log.warning("leave_failed", error=str(e))
 
 
 def read_queue_metrics(w: Worker) -> None:
@@ -72,16 +99,22 @@ def read_queue_metrics(w: Worker) -> None:
 
 class Watchdog:
     """Fails a wedged engine step instead of hanging forever: if one step runs longer
-    than ``limit_s`` the process exits (code 70) so its supervisor restarts it; its jobs
-    go back to the queue through lease expiry and count a delivery each, so a job that
-    wedges every worker ends in the DLQ after max_deliveries."""
+    than ``limit_s()`` (sized from the steps seen: pacing.StepPacer) the process exits
+    (code 70) so its supervisor restarts it; its jobs go back to the queue through lease
+    expiry and count a delivery each, so a job that wedges every worker ends in the DLQ
+    after max_deliveries. While a step runs within its limit, ``keepalive`` (the heartbeat
+    and lease refresh) is called every ``every_s``: a slow step is not a dead worker."""
 
-    def __init__(self, limit_s: float, worker_id: str) -> None:
+    def __init__(self, limit_s: Callable[[], float], worker_id: str,
+                 keepalive: Callable[[], None] = lambda: None, every_s: float = 5.0) -> None:
         self.limit_s = limit_s
         self.worker_id = worker_id
+        self.keepalive = keepalive
+        self.every_s = every_s
         self._step_started: float | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pagedq-watchdog", daemon=True)
+        self._thread = threading.Thread(target=fatal.guarded("watchdog", self._run),
+                                        name="pagedq-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
         self._thread.start()
@@ -97,8 +130,16 @@ class Watchdog:
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(min(1.0, self.limit_s / 4)):
+        kept = None  # the step start we last kept alive, and when
+        while not self._stop.wait(min(1.0, self.every_s / 2)):
             t = self._step_started
-            if t is not None and time.monotonic() - t > self.limit_s:
-                log.error("step_wedged", worker_id=self.worker_id, limit_s=self.limit_s)
-                os._exit(70)
+            if t is None:
+                continue
+            now, limit = time.monotonic(), self.limit_s()
+            if now - t > limit:
+                log.error("step_wedged", worker_id=self.worker_id, limit_s=round(limit, 1))
+                fatal.flush_and_exit(fatal.EXIT_WEDGED)
+            if now - t >= self.every_s and (kept is None or kept[0] != t
+                                            or now - kept[1] >= self.every_s):
+                self.keepalive()
+                kept = (t, now)

@@ -26,6 +26,9 @@ class Metrics:
                              buckets=_ITL, registry=reg)
         self.e2e = Histogram("pagedq:e2e_request_latency_seconds", "Submission to final result",
                              buckets=_LAT, registry=reg)
+        self.queue_wait = Histogram("pagedq:request_queue_time_seconds",
+                                    "Submission to admission by a worker (queue wait)",
+                                    buckets=_LAT + (600, 1800, 3600), registry=reg)
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = c("generation_tokens", "Tokens generated")
         self.preemptions = c("num_preemptions", "Preemptions by recompute")
@@ -33,7 +36,8 @@ class Metrics:
         self.finished = Counter("pagedq:request_success", "Jobs ended, by status",
                                 ["status"], registry=reg)
 
-    def serve(self, port: int) -> int:
-        """Expose /metrics on ``port`` (0 = pick a free one); returns the port."""
-        server, _thread = start_http_server(port, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Expose /metrics on ``host``:``port`` (port 0 = pick a free one); returns the port.
+        The default host is loopback only; "0.0.0.0" listens on every interface."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port

@@ -25,7 +25,7 @@ import structlog
 
 from producer.keys import GROUP, Keys
 from producer.settings import Settings
-from worker import lua
+from worker import fatal, faults, lua
 
 log = structlog.get_logger("pagedq.publisher")
 
@@ -42,14 +42,23 @@ class Final:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     on_done: Callable[[str], None] | None = None  # receives the script's verdict
+    choices: list[dict[str, Any]] | None = None  # n > 1 only
+
+
+# What the engine loop hands over per (job, choice) and step:
+# (job_id, attempt, choice or None when n == 1, delta, token_ids, logprobs or None,
+#  finish_reason when this step ended the choice else None)
+TokenDelta = tuple[str, int, "int | None", str, list[int], "list[Any] | None", "str | None"]
 
 
 @dataclass(slots=True)
 class _Pending:
     attempt: int
+    choice: int | None
     delta: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     lp: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
 
 
 class Publisher:
@@ -59,7 +68,9 @@ class Publisher:
         self._finish = lua.Script(r, lua.FINISH)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._next_index: dict[str, int] = {}  # owned by the publisher thread
-        self._thread = threading.Thread(target=self._run, name="pagedq-publisher", daemon=True)
+        self._thread = threading.Thread(
+            target=fatal.guarded("publisher", self._run, lambda: list(self._next_index)),
+            name="pagedq-publisher", daemon=True)
         self._stop = threading.Event()
         self.cancel_hits: queue.SimpleQueue = queue.SimpleQueue()  # job ids to abort
         self.lost: queue.SimpleQueue = queue.SimpleQueue()  # job ids fenced off by a newer attempt
@@ -74,8 +85,8 @@ class Publisher:
     def register(self, job_id: str, attempt: int, next_index: int) -> None:
         self._q.put(("reg", job_id, attempt, next_index))
 
-    def tokens(self, batch: list[tuple[str, int, str, list[int], Any]]) -> None:
-        """(job_id, attempt, delta, token_ids, logprobs) for every job with new tokens."""
+    def tokens(self, batch: list[TokenDelta]) -> None:
+        """One TokenDelta for every (job, choice) with new tokens this step."""
         if batch:
             self._q.put(("tok", batch))
 
@@ -120,7 +131,7 @@ class Publisher:
             self._round(items)
 
     def _round(self, items: list[tuple]) -> None:
-        pending: dict[str, _Pending] = {}
+        pending: dict[tuple[str, int | None], _Pending] = {}
         order: list[tuple[str, Any]] = []  # token flushes and finals in arrival order
         calls, cancel_ids, flushes = [], [], []
         for it in items:
@@ -128,15 +139,18 @@ class Publisher:
             if kind == "reg":
                 self._next_index[it[1]] = it[3]
             elif kind == "tok":
-                for job_id, attempt, delta, ids, lp in it[1]:
-                    p = pending.get(job_id)
+                for job_id, attempt, choice, delta, ids, lp, fr in it[1]:
+                    key = (job_id, choice)
+                    p = pending.get(key)
                     if p is None or p.attempt != attempt:
-                        p = pending[job_id] = _Pending(attempt)
-                        order.append(("tok", job_id))
+                        p = pending[key] = _Pending(attempt, choice)
+                        order.append(("tok", key))
                     p.delta.append(delta)
                     p.ids.extend(ids)
                     if lp is not None:
                         p.lp.extend(lp)
+                    if fr is not None:
+                        p.finish_reason = fr
             elif kind == "fin":
                 order.append(("fin", it[1]))
             elif kind == "call":
@@ -157,13 +171,16 @@ class Publisher:
         for kind, obj in order:
             if kind == "tok":
                 p = pending[obj]
-                idx = self._next_index.get(obj, 0)
-                self._next_index[obj] = idx + 1
-                keys += [self.keys.job(obj), self.keys.out(obj)]
+                job_id = obj[0]
+                idx = self._next_index.get(job_id, 0)
+                self._next_index[job_id] = idx + 1
+                keys += [self.keys.job(job_id), self.keys.out(job_id)]
                 argv += [p.attempt, idx, "".join(p.delta), ",".join(map(str, p.ids)),
-                         json.dumps(p.lp) if p.lp else "", self.keys.chan(obj)]
+                         json.dumps(p.lp) if p.lp else "", self.keys.chan(job_id),
+                         "" if p.choice is None else p.choice, p.finish_reason or ""]
             else:
                 finals.append(obj)
+        faults.maybe_raise("publisher", [k[0] for k in pending] + [f.job_id for f in finals])
         backoff = 0.05
         while True:
             try:
@@ -178,7 +195,9 @@ class Publisher:
                                        f.prompt_tokens, f.completion_tokens, idx,
                                        self.s.result_ttl_s, f.entry_id, GROUP, f.job_id,
                                        self.keys.chan(f.job_id), f"{time.time():.6f}",
-                                       self.s.out_maxlen], client=pipe)
+                                       self.s.out_maxlen,
+                                       json.dumps(f.choices) if f.choices else ""],
+                                 client=pipe)
                 for fn in calls:
                     fn(pipe)
                 if cancel_ids:

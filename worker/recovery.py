@@ -45,3 +45,24 @@ def reclaim(r: redis.Redis, stream: str, consumer: str, lease_s: float, count: i
         out.append(Claimed(entry_id, None, 0))
     return next_cursor, out
 
+
+
+def expire_unserved(w) -> None:
+    """Expire queued jobs of models that no live worker serves (any worker runs this for
+    every model in ``{P}:models``, its own included: a lone worker that stopped serving
+    its model leaves no one else to do it)."""
+    models = sorted(w.r.smembers(w.keys.models))
+    if not models:
+        return
+    pipe = w.r.pipeline(transaction=False)
+    for model in models:
+        w.expire_script(keys=[w.keys.jobs(model), w.keys.serving(model),
+                              w.keys.queued_tokens(model), w.keys.queued_jobs(model),
+                              w.keys.cancel],
+                        args=[w.keys.base, w.s.unserved_timeout_s, w.s.result_ttl_s, 1000],
+                        client=pipe)
+    for model, n in zip(models, pipe.execute(raise_on_error=False), strict=True):
+        if isinstance(n, Exception):
+            w.log.warning("expire_unserved_failed", model=model, error=str(n))
+        elif n:
+            w.log.warning("jobs_expired_unserved", model=model, count=n)

@@ -18,10 +18,11 @@ import structlog
 from engine.llm_engine import LLMEngine
 from producer.keys import GROUP, Keys
 from producer.settings import Settings
-from worker import faults, liveness, lua
+from worker import fatal, faults, liveness, lua, recovery
 from worker.intake import Intake
-from worker.jobs import Job
+from worker.jobs import Job, logprobs_json, split_request_id
 from worker.metrics import Metrics
+from worker.pacing import StepPacer
 from worker.publisher import Final, Publisher
 
 log = structlog.get_logger("pagedq.worker")
@@ -40,7 +41,10 @@ class Worker(Intake):
         self.model = self.s.model
         self.worker_id = worker_id or default_worker_id()
         self.keys = Keys(self.s.prefix)
+        # surrogateescape: an entry that is not UTF-8 reaches parse_entry (and the DLQ,
+        # byte for byte) instead of failing the whole XREADGROUP reply
         self.r = redis.Redis.from_url(self.s.redis_url, decode_responses=True,
+                                      encoding_errors="surrogateescape",
                                       health_check_interval=10, socket_timeout=30)
         self.stream = self.keys.jobs(self.model)
         self.publisher = Publisher(self.r, self.keys, self.s, self.model)
@@ -48,6 +52,7 @@ class Worker(Intake):
         self._start = lua.Script(self.r, lua.START)
         self._reject = lua.Script(self.r, lua.REJECT)
         self.refresh_script = lua.Script(self.r, lua.REFRESH)
+        self.expire_script = lua.Script(self.r, lua.EXPIRE_UNSERVED)
         self.jobs: dict[str, Job] = {}
         self.preemptions_seen = 0
         self.steps = self.intake_round_trips = 0  # for bench/service.py
@@ -59,7 +64,11 @@ class Worker(Intake):
         self._redis_retry_at = 0.0
         self._backoff = 0.1
         self._claim_cursor = "0-0"
-        self.watchdog = liveness.Watchdog(self.s.step_watchdog_s, self.worker_id)
+        self.pacer = StepPacer(engine, self.s.max_step_s, self.s.step_watchdog_s)
+        self.watchdog = liveness.Watchdog(self.pacer.watchdog_limit_s, self.worker_id,
+                                          keepalive=lambda: liveness.beat(self),
+                                          every_s=min(self.s.lease_s, self.s.heartbeat_ttl_s) / 3)
+        self._next_sweep = 0.0
         self.log = log.bind(worker_id=self.worker_id, model=self.model)
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -70,37 +79,20 @@ class Worker(Intake):
         """Serve until ``request_stop()`` (or, with ``until_idle``, until nothing is left)."""
         self._redis_call(self._ensure_group)
         if self.s.metrics_port:
-            self.log.info("metrics_listening", port=self.metrics.serve(self.s.metrics_port))
+            port = self.metrics.serve(self.s.metrics_port, self.s.metrics_host)
+            self.log.info("metrics_listening", host=self.s.metrics_host, port=port)
         self.publisher.start()
         self.watchdog.start()
         self.log.info("worker_started", stream=self.stream)
-        own_pending = True  # a restarted worker first re-reads its own pending entries
-        drain_until = None
         t_start = time.perf_counter()
         try:
-            while True:
-                self._drain_cancels()
-                if self._stopping:
-                    now = time.monotonic()
-                    if drain_until is None:
-                        drain_until = now + self.s.drain_timeout_s
-                        self.log.info("drain_started", running=len(self.jobs))
-                    if not self.jobs or now > drain_until:
-                        break
-                else:
-                    t = time.perf_counter()
-                    if self._redis_call(self._intake, own_pending):
-                        own_pending = False
-                    self.loop_s["intake"] += time.perf_counter() - t
-                if self.engine.has_unfinished():
-                    self._step()
-                elif until_idle and not self._redis_call(self._has_backlog):
-                    break
-                self._housekeeping()
-            self._release_all()
+            self._loop(until_idle)
+        except Exception as e:  # noqa: BLE001 - an engine-loop fault ends the process
+            fatal.die("engine", e, list(self.jobs))
         finally:
             self.watchdog.stop()
             self.publisher.stop()
+            liveness.leave(self)
             loop = self.loop_s
             loop["other"] = time.perf_counter() - t_start - sum(loop.values())
             self.log.info("worker_stopped", steps=self.steps,
@@ -108,13 +100,39 @@ class Worker(Intake):
                           intake_round_trips=self.intake_round_trips,
                           loop_s={k: round(v, 3) for k, v in loop.items()})
 
+    def _loop(self, until_idle: bool) -> None:
+        own_pending = True  # a restarted worker first re-reads its own pending entries
+        drain_until = None
+        while True:
+            self._drain_cancels()
+            if self._stopping:
+                now = time.monotonic()
+                if drain_until is None:
+                    drain_until = now + self.s.drain_timeout_s
+                    self.log.info("drain_started", running=len(self.jobs))
+                if not self.jobs or now > drain_until:
+                    break
+            else:
+                t = time.perf_counter()
+                if self._redis_call(self._intake, own_pending):
+                    own_pending = False
+                self.loop_s["intake"] += time.perf_counter() - t
+            if self.engine.has_unfinished():
+                self._step()
+            elif until_idle and not self._redis_call(self._has_backlog):
+                break
+            self._housekeeping()
+        self._release_all()
+
     def _step(self) -> None:
+        faults.maybe_raise("engine", list(self.jobs))
         self.watchdog.step_begins()
-        faults.on_step()
         t0 = time.perf_counter()
         outs = self.engine.step()
+        faults.on_step(self.engine.last_step_tokens)
         t1 = time.perf_counter()
         self.watchdog.step_ends()
+        self.pacer.after_step(t1 - t0, self.engine.last_step_tokens)
         self.steps += 1
         self._emit(outs)
         self.publisher.check_cancels(list(self.jobs))
@@ -170,9 +188,10 @@ class Worker(Intake):
 
     # ---- results ----------------------------------------------------------------------
     def _emit(self, outs: list) -> None:
-        batch, now = [], time.monotonic()
+        batch, now, ended = [], time.monotonic(), []
         for o in outs:
-            job = self.jobs.get(o.request_id)
+            job_id, k = split_request_id(o.request_id)
+            job = self.jobs.get(job_id)
             if job is None:
                 continue
             if job.last_token_at is None:
@@ -180,28 +199,43 @@ class Worker(Intake):
             else:
                 self.metrics.itl.observe(now - job.last_token_at)
             job.last_token_at = now
-            job.text.append(o.delta)
-            job.completion_tokens = o.num_output_tokens
-            batch.append((job.job_id, job.attempt, o.delta, o.new_token_ids, o.logprobs))
+            choice = job.choices[k]
+            choice.text.append(o.delta)
+            choice.token_ids.extend(o.new_token_ids)
+            fr = None
+            if o.finished:
+                fr = choice.finish_reason = o.finish_reason or "stop"
+                if job.done:
+                    ended.append(job)
+            lp = logprobs_json(o.logprobs, self._token_text) if o.logprobs else None
+            batch.append((job_id, job.attempt, None if job.request.n == 1 else k, o.delta,
+                          o.new_token_ids, lp, fr))
         self.metrics.generation_tokens.inc(len(batch))
         self.publisher.tokens(batch)
-        for o in outs:
-            if o.finished and o.request_id in self.jobs:
-                self._final(self.jobs[o.request_id], "finished", o.finish_reason or "stop")
+        for job in ended:
+            self._final(job, "finished", job.finish_reason())
+
+    def _token_text(self, token_id: int) -> str:
+        tok = self.engine.tokenizer
+        return tok.decode([token_id]) if tok is not None else ""
 
     def _final(self, job: Job, status: str, reason: str, error: str = "") -> None:
+        """End the job: choices still running end with ``reason`` (cancelled, deadline)."""
         self.jobs.pop(job.job_id, None)
+        for choice in job.choices:
+            if choice.finish_reason is None:
+                choice.finish_reason = reason
         jlog, m = self.log.bind(job_id=job.job_id), self.metrics
 
         def done(verdict: str) -> None:
             m.finished.labels(status).inc()
-            m.e2e.observe(time.monotonic() - job.admitted_at)
+            m.e2e.observe(job.queue_wait_s + time.monotonic() - job.admitted_at)
             jlog.info("job_done", status=status, finish_reason=reason, verdict=verdict,
                       completion_tokens=job.completion_tokens)
 
         self.publisher.final(Final(job.job_id, job.attempt, job.entry_id, status, reason,
-                                   "".join(job.text), error, job.prompt_tokens,
-                                   job.completion_tokens, done))
+                                   job.text, error, job.prompt_tokens,
+                                   job.completion_tokens, done, job.choices_json()))
 
     def _drain_cancels(self) -> None:
         while not self.publisher.lost.empty():  # another worker took it over: stop, no result
@@ -224,6 +258,10 @@ class Worker(Intake):
         if now >= self._next_beat:
             self._next_beat = now + min(1.0, self.s.heartbeat_ttl_s / 3)
             liveness.beat(self)
+            liveness.engine_gauges(self)
         if self.s.metrics_port and now >= self._next_metrics:
             self._next_metrics = now + 5.0
             liveness.read_queue_metrics(self)
+        if self.s.unserved_timeout_s and now >= self._next_sweep:
+            self._next_sweep = now + min(30.0, self.s.unserved_timeout_s / 4)
+            self._redis_call(recovery.expire_unserved, self)

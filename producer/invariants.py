@@ -1,0 +1,55 @@
+"""The queue counters' invariant, checked in one atomic snapshot.
+
+``{P}:qjobs:{model}`` must equal the number of jobs in the model's jobs stream whose record
+is ``queued`` and was counted (not ``raw``), and ``{P}:qtokens:{model}`` the sum of their
+``qtok``. Every path that moves a job out of ``queued`` (worker start, cancel, reject,
+expiry) keeps it; tests call ``queue_counters`` after every kind of traffic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .keys import Keys
+
+# KEYS: jobs stream, queued-tokens counter, queued-jobs counter   ARGV: key base '{P}'
+# -> {counted jobs, counted tokens, qjobs counter, qtokens counter}
+SNAPSHOT_LUA = r"""
+local jobs, tokens, seen = 0, 0, {}
+for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '+')) do
+  local f, id = e[2], nil
+  for i = 1, #f, 2 do if f[i] == 'job' then id = f[i + 1] end end
+  if id and not seen[id] then
+    seen[id] = true
+    local ok, h = pcall(redis.call, 'HMGET', ARGV[1] .. ':job:' .. id, 'status', 'raw', 'qtok')
+    if ok and h[1] == 'queued' and h[2] ~= '1' then
+      jobs = jobs + 1
+      tokens = tokens + (tonumber(h[3] or '0') or 0)
+    end
+  end
+end
+return {jobs, tokens, tonumber(redis.call('GET', KEYS[3]) or '0') or -1,
+        tonumber(redis.call('GET', KEYS[2]) or '0') or -1}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueCounters:
+    queued_jobs: int  # the counter
+    queued_tokens: int  # the counter
+    expected_jobs: int  # queued, counted jobs found in the stream
+    expected_tokens: int
+
+    @property
+    def ok(self) -> bool:
+        return (self.queued_jobs, self.queued_tokens) == (self.expected_jobs,
+                                                          self.expected_tokens)
+
+
+def queue_counters(r: Any, keys: Keys, model: str) -> QueueCounters:
+    """One atomic snapshot of a model's queue counters and what they should be (sync
+    redis client)."""
+    jobs, tokens, qjobs, qtokens = r.eval(SNAPSHOT_LUA, 3, keys.jobs(model),
+                                          keys.queued_tokens(model), keys.queued_jobs(model),
+                                          keys.base)
+    return QueueCounters(int(qjobs), int(qtokens), int(jobs), int(tokens))

@@ -1,0 +1,285 @@
+"""Property tests of the wire contract through a real redis-server and a real worker process
+(SmolLM2 on the CPU): every documented JobRequest field, valid and invalid, raw entries and
+raw script calls. After each example the queue counters return to zero and their
+invariant (producer/invariants.py) holds."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from producer import Client
+from producer.errors import InvalidRequest
+from producer.invariants import queue_counters
+from producer.keys import GROUP
+from producer.schema import FinalEvent, JobRequest, TokenEvent
+from producer.scripts import SUBMIT_LUA
+from tests.worker_proc import WorkerProc
+
+MODEL = "smollm2"
+VOCAB = 49152
+PROPS = settings(max_examples=6, deadline=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                        HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.fixture(scope="module")
+def svc(shared_redis_server):
+    prefix = f"prop{uuid.uuid4().hex[:8]}"
+    w = WorkerProc(shared_redis_server.url, prefix, extra=["--max-num-seqs", "16"],
+                   env={"PAGEDQ_UNSERVED_TIMEOUT_S": "0"}).start()
+    c = Client(shared_redis_server.url, prefix=prefix, model=MODEL)
+    c.url = shared_redis_server.url
+    yield c, w
+    w.stop()
+    c.close()
+
+
+def settle(c: Client, timeout: float = 120.0) -> None:
+    """Wait until the queue is drained, then check the counters and their invariant."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = queue_counters(c.redis, c.keys, MODEL)
+        pending = c.redis.xpending(c.keys.jobs(MODEL), GROUP)["pending"]
+        if snap.queued_jobs == 0 and pending == 0 and c.redis.xlen(c.keys.jobs(MODEL)) == 0:
+            break
+        time.sleep(0.1)
+    snap = queue_counters(c.redis, c.keys, MODEL)
+    assert snap.ok and snap.queued_jobs == 0 and snap.queued_tokens == 0, snap
+
+
+# ---- valid requests: every field -----------------------------------------------------
+
+text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40).filter(
+    lambda s: s.strip())
+part_list = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+                     min_size=1, max_size=2)
+message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant",
+                                                          "developer"]),
+                                 "content": st.one_of(text, part_list)})
+prompt_or_messages = st.one_of(
+    st.fixed_dictionaries({"prompt": text}),
+    st.fixed_dictionaries({"prompt": st.lists(st.integers(0, VOCAB - 1), min_size=1,
+                                              max_size=12)}),
+    st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3).map(
+        lambda ms: ms[:-1] + [{"role": "user", "content": "Say something."}])}),
+)
+optional = {
+    "temperature": st.floats(0.0, 2.0),
+    "top_p": st.floats(0.05, 1.0),
+    "top_k": st.integers(-1, 50),
+    "min_p": st.floats(0.0, 0.3),
+    "repetition_penalty": st.floats(0.8, 1.5),
+    "presence_penalty": st.floats(-2.0, 2.0),
+    "frequency_penalty": st.floats(-2.0, 2.0),
+    "stop": st.one_of(st.lists(text, max_size=2), text),
+    "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
+    "seed": st.integers(0, 2**63 - 1),
+    "ignore_eos": st.booleans(),
+    "priority": st.integers(-1000, 1000),
+    "timeout_s": st.floats(120.0, 600.0),
+    "metadata": st.dictionaries(st.text(min_size=1, max_size=8).filter(str.isprintable),
+                                st.text(max_size=8).filter(str.isprintable), max_size=3),
+    "n": st.integers(1, 3),
+    "user": st.text(min_size=1, max_size=8).filter(str.isprintable),
+}
+
+
+@st.composite
+def requests(draw) -> dict:
+    body = dict(draw(prompt_or_messages))
+    max_tokens = draw(st.integers(1, 6))
+    body["max_completion_tokens" if draw(st.booleans()) else "max_tokens"] = max_tokens
+    for name, strat in optional.items():
+        if draw(st.booleans()):
+            body[name] = draw(strat)
+    if draw(st.booleans()):
+        body["min_tokens"] = draw(st.integers(0, max_tokens))
+    lp = draw(st.sampled_from(["none", "int", "chat"]))
+    if lp == "int":
+        body["logprobs"] = draw(st.integers(0, 5))
+    elif lp == "chat":
+        body["logprobs"] = True
+        body["top_logprobs"] = draw(st.integers(0, 5))
+    return body
+
+
+def check_job(c: Client, job_id: str, body: dict) -> None:
+    req = JobRequest.model_validate(body)
+    rec = c.result(job_id, timeout=120)
+    assert rec.status == "finished", (rec, body)
+    evs = list(c.stream(job_id, timeout=30))
+    assert [e.index for e in evs] == list(range(len(evs)))
+    final = evs[-1]
+    assert isinstance(final, FinalEvent) and final.text == rec.text
+    tokens = [e for e in evs if isinstance(e, TokenEvent)]
+    texts = {k: "".join(e.delta for e in tokens if e.choice == k) for k in range(req.n)}
+    counts = {k: sum(len(e.token_ids) for e in tokens if e.choice == k) for k in range(req.n)}
+    assert texts[0] == rec.text
+    assert sum(counts.values()) == rec.usage.completion_tokens
+    assert rec.usage.prompt_tokens > 0
+    assert all(1 <= counts[k] <= req.max_tokens for k in range(req.n)), counts
+    enders = [e for e in tokens if e.finish_reason]
+    assert sorted(e.choice for e in enders) == list(range(req.n))  # each choice ends once
+    if req.n > 1:
+        assert [ch.index for ch in rec.choices] == list(range(req.n))
+        assert [ch.text for ch in rec.choices] == [texts[k] for k in range(req.n)]
+        assert [ch.completion_tokens for ch in rec.choices] == [counts[k] for k in range(req.n)]
+    else:
+        assert rec.choices is None
+    for e in tokens:
+        if req.logprobs is None:
+            assert e.logprobs is None
+        else:
+            assert e.logprobs is not None and len(e.logprobs) == len(e.token_ids)
+            for lp, tid in zip(e.logprobs, e.token_ids, strict=True):
+                assert lp.id == tid and lp.logprob <= 0 and lp.rank >= 1
+                assert len(lp.top) == req.logprobs
+                assert all(a.logprob >= b.logprob for a, b in zip(lp.top, lp.top[1:], strict=False))
+
+
+@PROPS
+@given(bodies=st.lists(requests(), min_size=1, max_size=5))
+def test_random_valid_requests_end_to_end(svc, bodies):
+    c, w = svc
+    ids = [c.submit_request(dict(b)) for b in bodies]
+    for job_id, body in zip(ids, bodies, strict=True):
+        check_job(c, job_id, body)
+    settle(c)
+    assert w.proc.poll() is None, w.log()
+
+
+# ---- invalid input: raw entries and raw script calls ---------------------------------
+
+def raw_submit(c: Client, job_id: str, body: str | bytes, *, qtok="10", model=MODEL,
+               timeout="", maxj="0", maxt="0", group=GROUP, version="1", keys=None):
+    body_b = body.encode() if isinstance(body, str) else body
+    k = keys or [c.keys.job(job_id), c.keys.jobs(model), c.keys.queued_tokens(model),
+                 c.keys.out(job_id), c.keys.queued_jobs(model), c.keys.serving(model),
+                 c.keys.models]
+    return c.redis.eval(SUBMIT_LUA, len(k), *k, job_id, body_b,
+                        hashlib.sha256(body_b).hexdigest(), model, qtok, timeout, maxj, maxt,
+                        group, version, "0")
+
+
+def good_body(job_id: str, **kw) -> str:
+    return json.dumps({"id": job_id, "model": MODEL, "prompt": "Hi", "max_tokens": 2, **kw})
+
+
+BAD_WORKER_BODIES = {  # the submit script takes them (it checks only what it can): the
+    # worker must dead-letter each with a reason
+    "latin1": lambda j: b'{"prompt":"caf\xe9","max_tokens":4}',
+    "string number": lambda j: good_body(j, max_tokens="4"),
+    "bool as int": lambda j: good_body(j, top_k=True),
+    "unknown field": lambda j: good_body(j, bogus=1),
+    "no prompt": lambda j: json.dumps({"id": j, "max_tokens": 2}),
+    "bad n": lambda j: good_body(j, n=0),
+    "huge token id": lambda j: json.dumps({"id": j, "prompt": [VOCAB + 5], "max_tokens": 2}),
+}
+BAD_ENTRIES = {  # XADDed directly, bypassing the script
+    "no body": lambda j: {"job": j},
+    "bad id": lambda j: {"job": "a{b}", "body": good_body(j)},
+    "nested too deep": lambda j: {"job": j, "body": '{"prompt": "x", "metadata": ' + "[" * 5000
+                                  + "]" * 5000 + "}"},
+    "bytes": lambda j: {"job": j, "body": b"\xff\xfe\x00garbage"},
+    "not json": lambda j: {"job": j, "body": "{not json"},
+    "json list": lambda j: {"job": j, "body": "[1, 2]"},
+    "body id differs": lambda j: {"job": j, "body": good_body("other")},
+    "model differs": lambda j: {"job": j, "body": good_body(j).replace(MODEL, "other-model")},
+    "job id not utf8": lambda j: {"job": b"\xc3\x28", "body": good_body(j)},
+    "lone surrogate escape": lambda j: {"job": j, "body": good_body(j, prompt="\ud800")},
+}
+BAD_SCRIPT_ARGS = {
+    "qtok not a number": dict(qtok="abc"),
+    "negative qtok": dict(qtok="-50"),
+    "fraction qtok": dict(qtok="1.5"),
+    "negative cap": dict(maxt="-1"),
+    "bad timeout": dict(timeout="soon"),
+    "zero timeout": dict(timeout="0"),
+    "bad group": dict(group="other"),
+    "bad version": dict(version="2"),
+    "model differs from body": dict(model="other-model"),
+    "lone surrogate escape": dict(body=lambda j: good_body(j, prompt="\ud800")),
+    "body not an object": dict(body=lambda j: "[1]"),
+}
+
+
+@PROPS
+@given(data=st.data())
+def test_random_invalid_input_is_refused_or_dead_lettered(svc, data):
+    c, w = svc
+    tag = uuid.uuid4().hex[:8]  # in every job id (and body) of this example
+    good = [c.submit("Hello there", max_tokens=3, temperature=0) for _ in range(2)]
+    worker_bad = data.draw(st.lists(st.sampled_from(sorted(BAD_WORKER_BODIES)), max_size=3))
+    entry_bad = data.draw(st.lists(st.sampled_from(sorted(BAD_ENTRIES)), max_size=3))
+    arg_bad = data.draw(st.lists(st.sampled_from(sorted(BAD_SCRIPT_ARGS)), max_size=3))
+    bad_id_chars = data.draw(st.sampled_from(["a{b", "a b", "", "x" * 129, "é"]))
+    failed: list[str] = []
+    for name in worker_bad:
+        j = f"wb-{tag}-{uuid.uuid4().hex[:8]}"
+        assert raw_submit(c, j, BAD_WORKER_BODIES[name](j))[0] == "queued", name
+        failed.append(j)
+    for name in entry_bad:
+        j = f"eb-{tag}-{uuid.uuid4().hex[:8]}"
+        c.redis.xadd(c.keys.jobs(MODEL), BAD_ENTRIES[name](j))
+        if name not in ("bad id", "job id not utf8"):
+            failed.append(j)
+    for name in arg_bad:
+        j = f"ab-{tag}-{uuid.uuid4().hex[:8]}"
+        kw = dict(BAD_SCRIPT_ARGS[name])
+        body = kw.pop("body", good_body)(j)
+        reply = raw_submit(c, j, body, **kw)
+        assert reply[0] == "invalid" and reply[1], (name, reply)
+        assert not c.redis.exists(c.keys.job(j))
+    reply = raw_submit(c, bad_id_chars, good_body("x"))
+    assert reply[0] == "invalid"
+    j = f"ab-{tag}"
+    wrong_keys = [c.keys.job("other"), c.keys.jobs(MODEL), c.keys.queued_tokens(MODEL),
+                  c.keys.out(j), c.keys.queued_jobs(MODEL), c.keys.serving(MODEL), c.keys.models]
+    assert raw_submit(c, j, good_body(j), keys=wrong_keys)[0] == "invalid"
+    with redis.Redis.from_url(c.url) as raw:  # refused calls enqueued nothing
+        entries = raw.xrange(c.keys.jobs(MODEL))
+    assert not [f for _, f in entries if f.get(b"job", b"").startswith(b"ab-")]
+    for j in good:
+        assert c.result(j, timeout=120).status == "finished"
+    for j in failed:
+        rec = c.result(j, timeout=120)
+        assert rec.status == "failed" and rec.error, rec
+        evs = list(c.stream(j, timeout=30))
+        assert isinstance(evs[-1], FinalEvent) and evs[-1].error == rec.error
+    settle(c)
+    with redis.Redis.from_url(c.url) as raw:  # DLQ bodies are kept byte for byte
+        dlq = [(i, f) for i, f in raw.xrange(c.keys.dlq(MODEL), count=100000)
+               if tag.encode() in f[b"job"] + f[b"body"]]
+    assert len(dlq) == len(worker_bad) + len(entry_bad), [f for _, f in dlq]
+    assert all(f.get(b"reason") and len(f.get(b"body", b"")) <= 4 * 4096 for _, f in dlq)
+    assert not dlq or c.redis.ttl(c.keys.dlq(MODEL)) > 0
+    assert w.proc.poll() is None, w.log()
+
+
+def test_client_refuses_what_the_wire_refuses(svc):
+    c, _ = svc
+    for kw in [dict(prompt="caf\udce9"), dict(prompt="x", max_tokens="4"), dict(prompt="x", n=0),
+               dict(prompt="x", top_logprobs=3), dict(messages=[{"role": "user",
+                                                                 "content": [{"type": "image"}]}])]:
+        with pytest.raises(InvalidRequest):
+            c.submit_request(kw)
+
+
+def test_worker_survives_a_wrong_type_at_a_job_key(svc):
+    c, w = svc
+    j = f"wt-{uuid.uuid4().hex[:8]}"
+    c.redis.set(c.keys.job(j), "not a hash")
+    c.redis.xadd(c.keys.jobs(MODEL), {"job": j, "body": good_body(j)})
+    ok = c.submit("Hello", max_tokens=2)
+    assert c.result(ok, timeout=120).status == "finished"
+    settle(c)
+    assert w.proc.poll() is None, w.log()
+    with pytest.raises(redis.ResponseError):
+        c.redis.hgetall(c.keys.job(j))
