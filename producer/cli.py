@@ -169,7 +169,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     with _client(args) as c:
-        print(c.status(args.id).model_dump_json())
+        rec = c.status(args.id)
+        print(rec.model_dump_json())
+        if rec.status == Status.queued and rec.model not in c.served_models():
+            print(f"pagedq: no worker serves model {rec.model!r}: the job waits, and expires "
+                  "if none comes within PAGEDQ_UNSERVED_TIMEOUT_S", file=sys.stderr)
     return EXIT_OK
 
 

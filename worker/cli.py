@@ -29,11 +29,12 @@ import signal
 import sys
 
 from producer import cli as client_cli
+from worker import fatal
 
 EXIT_CLEAN = 0
-EXIT_WEDGED = 70  # EX_SOFTWARE: the step watchdog (worker/liveness.py)
-EXIT_THREAD_ERROR = 71  # EX_OSERR slot: an unexpected error in a worker thread
-EXIT_CONFIG = 78  # EX_CONFIG
+# 70: the step watchdog (worker/liveness.py); 71: an unexpected error in a worker thread;
+# 78: bad configuration. One definition, in worker/fatal.py (no torch import there).
+EXIT_WEDGED, EXIT_THREAD_ERROR, EXIT_CONFIG = fatal.EXIT_WEDGED, fatal.EXIT_FAULT, fatal.EXIT_CONFIG
 
 WORKER_EXIT_CODES_HELP = "exit codes of `pagedq worker`:\n" + __doc__.split(
     "Exit codes of ``pagedq worker``:\n\n", 1)[1].split("\nThe client commands'", 1)[0]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import redis
 
 from producer.keys import GROUP
+from worker import lua
 
 
 @dataclass(slots=True)
@@ -54,14 +55,19 @@ def expire_unserved(w) -> None:
     models = sorted(w.r.smembers(w.keys.models))
     if not models:
         return
-    pipe = w.r.pipeline(transaction=False)
-    for model in models:
-        w.expire_script(keys=[w.keys.jobs(model), w.keys.serving(model),
-                              w.keys.queued_tokens(model), w.keys.queued_jobs(model),
-                              w.keys.cancel],
-                        args=[w.keys.base, w.s.unserved_timeout_s, w.s.result_ttl_s, 1000],
-                        client=pipe)
-    for model, n in zip(models, pipe.execute(raise_on_error=False), strict=True):
+    for _ in range(2):  # a second time after loading the scripts (Redis lost its cache)
+        pipe = w.r.pipeline(transaction=False)
+        for model in models:
+            w.expire_script(keys=[w.keys.jobs(model), w.keys.serving(model),
+                                  w.keys.queued_tokens(model), w.keys.queued_jobs(model),
+                                  w.keys.cancel],
+                            args=[w.keys.base, w.s.unserved_timeout_s, w.s.result_ttl_s, 1000],
+                            client=pipe)
+        results = pipe.execute(raise_on_error=False)
+        if not lua.noscript(results):
+            break
+        lua.load_all(w.r)
+    for model, n in zip(models, results, strict=True):
         if isinstance(n, Exception):
             w.log.warning("expire_unserved_failed", model=model, error=str(n))
         elif n:

@@ -126,6 +126,10 @@ class Worker(Intake):
 
     def _step(self) -> None:
         faults.maybe_raise("engine", list(self.jobs))
+        # Cancel requests are looked up while the step runs and applied before its tokens
+        # are published: a cancel that landed before the step began stops the job's output
+        # at once, one that lands during it by the end of the next step.
+        self.publisher.check_cancels(list(self.jobs))
         self.watchdog.step_begins()
         t0 = time.perf_counter()
         outs = self.engine.step()
@@ -134,8 +138,8 @@ class Worker(Intake):
         self.watchdog.step_ends()
         self.pacer.after_step(t1 - t0, self.engine.last_step_tokens)
         self.steps += 1
+        self._drain_cancels()
         self._emit(outs)
-        self.publisher.check_cancels(list(self.jobs))
         self.loop_s["engine_step"] += t1 - t0
         self.loop_s["emit"] += time.perf_counter() - t1
 
