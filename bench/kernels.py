@@ -1,5 +1,5 @@
 """Paged decode attention: achieved KV-read GB/s vs copy bandwidth and vs torch SDPA on the
-same data laid out contiguously (BENCHMARKS.md section 3). CUDA only.
+same data laid out contiguously (docs/benchmarks.md, Definitions 3). CUDA only.
 
     PYTHONPATH=. python bench/kernels.py [--out DIR] [--sweep] [--fp8-sweep] [--quick] [--dry-run]
 

@@ -1,4 +1,4 @@
-"""Offline engine throughput: workload 1 of BENCHMARKS.md (nano-vllm's bench).
+"""Offline engine throughput: workload 1 of docs/benchmarks.md (nano-vllm's bench).
 
 random.seed(0); N sequences; prompt = randint(100, 1024) random ids in [0, 10000];
 max_tokens = randint(100, 1024); temperature 0.6; ignore_eos; max_model_len 4096.
@@ -45,7 +45,7 @@ SHAPES = {
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                        "original_max_position_embeddings": 8192}),
 }
-PHYSICAL_LIMIT = {"qwen3-0.6b": 35600.0}  # tok/s on the H200 (BENCHMARKS.md)
+PHYSICAL_LIMIT = {"qwen3-0.6b": 35600.0}  # tok/s on the H200 (docs/benchmarks.md)
 
 
 def workload(n: int):

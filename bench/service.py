@@ -1,4 +1,4 @@
-"""Service overhead (BENCHMARKS.md #2): workload 1 submitted through the producer into
+"""Service overhead (docs/benchmarks.md #2): workload 1 submitted through the producer into
 Redis, served by one worker process, every token read back by clients from the per-job
 streams; compared with bench/offline.py run in the same invocation.
 

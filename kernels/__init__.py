@@ -7,6 +7,6 @@ Layouts shared by every kernel (checked by each wrapper):
   seq_lens         : [num_seqs] int32, context length of each sequence INCLUDING this step
   cu_seqlens_q     : [num_seqs + 1] int32, query tokens of seq b are q[cu[b]:cu[b+1]];
                      they are the LAST (cu[b+1]-cu[b]) positions of its context (causal).
-Imports nothing from engine. No __version__ here (see ENVIRONMENT.md: transformers probes
+Imports nothing from engine. No __version__ here (see docs/environment.md: transformers probes
 for a package named `kernels`).
 """

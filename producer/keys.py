@@ -3,8 +3,8 @@
 All keys of one deployment share the hash tag ``{prefix}`` so that the per-step Lua
 scripts (publish, finish, reclaim) may touch any job's keys on a Redis Cluster too:
 one prefix = one slot. To spread load over a cluster, give each model its own prefix.
-(DESIGN.md asked for one slot per *model*; job ids do not carry the model, so a client
-holding only a job id could not find its keys. See docs/protocol.md.)
+(The first design asked for one slot per *model*; job ids do not carry the model, so a
+client holding only a job id could not find its keys. See docs/design.md, docs/protocol.md.)
 """
 from __future__ import annotations
 

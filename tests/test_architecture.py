@@ -1,4 +1,4 @@
-"""Import directions of DESIGN.md and the `kernels` name clash guard."""
+"""Import directions of docs/design.md and the `kernels` name clash guard."""
 from __future__ import annotations
 
 import os

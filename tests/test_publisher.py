@@ -21,7 +21,7 @@ def test_coalesced_events_then_one_final(redis_server, r):
         _running(r, keys, j, 1)
         pub.register(j, 1, 0)
     for step in range(3):  # three engine steps inside one coalescing window
-        pub.tokens([(j, 1, f"{j}{step} ", [step], None) for j in jobs])
+        pub.tokens([(j, 1, None, f"{j}{step} ", [step], None, None) for j in jobs])
     verdicts = []
     pub.final(Final("a", 1, "", "finished", "length", "a0 a1 a2 ", "", 3, 3, verdicts.append))
     pub.stop()
@@ -40,7 +40,7 @@ def test_stale_owner_is_fenced_and_told(redis_server, r):
     pub = Publisher(r, keys, s, "m").start()
     _running(r, keys, "x", 2)  # another worker took the job over (attempt 2)
     pub.register("x", 1, 0)
-    pub.tokens([("x", 1, "late", [5], None)])
+    pub.tokens([("x", 1, None, "late", [5], None, None)])
     verdicts = []
     pub.final(Final("x", 1, "", "finished", "stop", "late", on_done=verdicts.append))
     pub.stop()
