@@ -10,27 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from . import lua
 from .keys import Keys
 
-# KEYS: jobs stream, queued-tokens counter, queued-jobs counter   ARGV: key base '{P}'
-# -> {counted jobs, counted tokens, qjobs counter, qtokens counter}
-SNAPSHOT_LUA = r"""
-local jobs, tokens, seen = 0, 0, {}
-for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '+')) do
-  local f, id = e[2], nil
-  for i = 1, #f, 2 do if f[i] == 'job' then id = f[i + 1] end end
-  if id and not seen[id] then
-    seen[id] = true
-    local ok, h = pcall(redis.call, 'HMGET', ARGV[1] .. ':job:' .. id, 'status', 'raw', 'qtok')
-    if ok and h[1] == 'queued' and h[2] ~= '1' then
-      jobs = jobs + 1
-      tokens = tokens + (tonumber(h[3] or '0') or 0)
-    end
-  end
-end
-return {jobs, tokens, tonumber(redis.call('GET', KEYS[3]) or '0') or -1,
-        tonumber(redis.call('GET', KEYS[2]) or '0') or -1}
-"""
+SNAPSHOT_LUA = lua.source("queue_snapshot")
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ import redis
 
 from worker.redis_server import RedisServer
 
-pytest_plugins = ["tests.model_fixtures"]
+pytest_plugins = ["tests.model_fixtures", "tests.tiny_service"]
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ from producer.errors import NoWorker
 from producer.invariants import queue_counters
 from producer.schema import TokenEvent
 from producer.settings import Settings
-from tests.test_reliability import MODEL, check_consistent, gen, svc, tiny_dir  # noqa: F401
+from tests.test_reliability import check_consistent, gen
+from tests.tiny_service import MODEL
 from worker.fatal import EXIT_FAULT
 
 

@@ -16,48 +16,10 @@ from producer.errors import Overloaded
 from producer.keys import GROUP
 from producer.schema import FinalEvent
 from producer.settings import Settings
-from tests.model_fixtures import make_tiny_model
+from tests.tiny_service import MODEL
 from tests.worker_proc import WorkerProc
 from worker import lua
 from worker.redis_server import RedisServer
-
-MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return str(make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture
-def svc(redis_server, tiny_dir):
-    """Start workers and clients on one fresh redis-server; everything stopped after."""
-    prefix = "rel"
-    started: list[WorkerProc] = []
-    clients: list[Client] = []
-
-    class Svc:
-        server = redis_server
-
-        def worker(self, env=None, worker_id=None, extra=(), wait=True):
-            env = {"PAGEDQ_LEASE_S": "2", "PAGEDQ_HEARTBEAT_TTL_S": "3", **(env or {})}
-            w = WorkerProc(redis_server.url, prefix, model=tiny_dir, worker_id=worker_id,
-                           extra=["--served-name", MODEL, "--max-num-seqs", "16", *extra],
-                           env=env)
-            started.append(w)
-            return w.start(wait=wait)
-
-        def client(self, **settings):
-            s = Settings(redis_url=redis_server.url, prefix=prefix, model=MODEL, **settings)
-            c = Client(settings=s)
-            clients.append(c)
-            return c
-
-    yield Svc()
-    for w in started:
-        w.stop(10)
-    for c in clients:
-        c.close()
 
 
 def events_of(c: Client, job_id: str):

@@ -1,0 +1,44 @@
+"""Every Lua script of the wire protocol, one ``.lua`` file each, and their one loader.
+
+``source(name)`` is the exact text to EVAL or SCRIPT LOAD: ``common.lua`` (the rules every
+script shares: event ids, the final event, leaving the queue, the terminal statuses)
+followed by ``<name>.lua``. The terminal set is generated from ``producer.schema.TERMINAL``,
+so the scripts never restate it. Producers in other languages load the same text
+(docs/protocol.md); each file's header gives its KEYS, ARGV and reply.
+
+Producer scripts: submit, cancel, served, queue_snapshot. Worker scripts: start, publish,
+finish, reject, refresh, expire_unserved.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from importlib import resources
+
+from ..schema import TERMINAL
+
+NAMES = ("submit", "cancel", "served", "queue_snapshot",
+         "start", "publish", "finish", "reject", "refresh", "expire_unserved")
+_TERMINAL_LINE = "local TERMINAL = {} --@terminal"
+
+
+def _read(filename: str) -> str:
+    return resources.files(__package__).joinpath(filename).read_text(encoding="utf-8")
+
+
+@functools.cache
+def source(name: str) -> str:
+    """The full text of script ``name`` (common prelude + the script)."""
+    if name not in NAMES:
+        raise ValueError(f"unknown script {name!r}; one of {', '.join(NAMES)}")
+    common = _read("common.lua")
+    if _TERMINAL_LINE not in common:
+        raise RuntimeError("common.lua lost its TERMINAL line")
+    table = "{" + ", ".join(f"{s.value} = true" for s in sorted(TERMINAL)) + "}"
+    common = common.replace(_TERMINAL_LINE, f"local TERMINAL = {table}")
+    return common + "\n" + _read(f"{name}.lua")
+
+
+def sha(name: str) -> str:
+    """SHA1 of ``source(name)``: the id for EVALSHA."""
+    return hashlib.sha1(source(name).encode()).hexdigest()

@@ -1,0 +1,33 @@
+-- CANCEL: cancel a queued job at once, or ask the owning worker to stop a running one.
+-- KEYS: 1 job hash, 2 out stream, 3 cancel set
+-- ARGV: 1 job id, 2 result_ttl_s, 3 pub/sub channel, 4 queued-tokens key prefix (model
+--       appended), 5 queued-jobs key prefix (model appended); the derived keys are in the
+--       same slot as the declared ones
+-- Reply: "missing" | "terminal" | "cancelled" (was queued) | "requested" (was running)
+local job, out, cset = KEYS[1], KEYS[2], KEYS[3]
+local st = redis.call('HGET', job, 'status')
+if not st then return 'missing' end
+if st == 'running' then
+  redis.call('SADD', cset, ARGV[1])
+  return 'requested'
+end
+if st ~= 'queued' then return 'terminal' end
+-- Queued: no worker owns it. The final event goes after any events a previous, crashed
+-- attempt left (normally none: index 0) and carries their text.
+local idx, parts = 0, {}
+for _, e in ipairs(redis.call('XRANGE', out, '-', '+')) do
+  idx = tonumber(string.match(e[1], '%-(%d+)$'))
+  local f = e[2]
+  for i = 1, #f, 2 do if f[i] == 'd' then parts[#parts + 1] = f[i + 1] end end
+end
+local text = table.concat(parts)
+local now = now_str()
+write_final(out, ARGV[3], idx, 'cancelled', 'cancelled', text, '', 0, 0)
+local model = redis.call('HGET', job, 'model') or ''
+if model ~= '' then leave_queue(job, ARGV[4] .. model, ARGV[5] .. model) end
+redis.call('HSET', job, 'status', 'cancelled', 'finish_reason', 'cancelled',
+           'finished_at', now, 'text', text)
+redis.call('SREM', cset, ARGV[1])
+redis.call('EXPIRE', job, ARGV[2])
+redis.call('EXPIRE', out, ARGV[2])
+return 'cancelled'

@@ -1,0 +1,48 @@
+"""Fixtures (a pytest plugin, see conftest.py): real worker processes serving a tiny random
+Llama (byte-level tokenizer) on a fresh redis-server, and clients of that service."""
+from __future__ import annotations
+
+import pytest
+
+from producer import Client
+from producer.settings import Settings
+from tests.model_fixtures import make_tiny_model
+from tests.worker_proc import WorkerProc
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture
+def svc(redis_server, tiny_dir):
+    """Start workers and clients on one fresh redis-server; everything stopped after."""
+    prefix = "rel"
+    started: list[WorkerProc] = []
+    clients: list[Client] = []
+
+    class Svc:
+        server = redis_server
+
+        def worker(self, env=None, worker_id=None, extra=(), wait=True):
+            env = {"PAGEDQ_LEASE_S": "2", "PAGEDQ_HEARTBEAT_TTL_S": "3", **(env or {})}
+            w = WorkerProc(redis_server.url, prefix, model=tiny_dir, worker_id=worker_id,
+                           extra=["--served-name", MODEL, "--max-num-seqs", "16", *extra],
+                           env=env)
+            started.append(w)
+            return w.start(wait=wait)
+
+        def client(self, **settings):
+            s = Settings(redis_url=redis_server.url, prefix=prefix, model=MODEL, **settings)
+            c = Client(settings=s)
+            clients.append(c)
+            return c
+
+    yield Svc()
+    for w in started:
+        w.stop(10)
+    for c in clients:
+        c.close()
