@@ -42,3 +42,56 @@ def test_transformers_does_not_mistake_our_kernels_package_for_hub_kernels():
     _run("import kernels\nassert not hasattr(kernels, '__version__')\n"
          "from transformers.utils import is_kernels_available\n"
          "assert is_kernels_available() is False")
+
+
+def _project_imports() -> dict[str, set[str]]:
+    """module -> project modules it imports (anywhere in the file, TYPE_CHECKING and
+    function-level imports included: a circle there is still a circle)."""
+    import ast
+
+    graph: dict[str, set[str]] = {}
+    for pkg in ("producer", "worker", "engine", "kernels"):
+        for dirpath, _dirs, files in os.walk(os.path.join(ROOT, pkg)):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, name)
+                mod = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                mod = mod.removesuffix(".__init__")
+                pkg_of = mod if name == "__init__.py" else mod.rpartition(".")[0]
+                deps = graph.setdefault(mod, set())
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if isinstance(node, ast.Import):
+                        deps.update(a.name for a in node.names)
+                    elif isinstance(node, ast.ImportFrom):
+                        base = node.module or ""
+                        if node.level:
+                            parts = pkg_of.split(".")
+                            parts = parts[:len(parts) - node.level + 1]
+                            base = ".".join(parts + ([base] if base else []))
+                        deps.add(base)
+                        deps.update(f"{base}.{a.name}" for a in node.names)
+    return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+
+
+def test_no_import_circles_between_project_modules():
+    graph = _project_imports()
+    assert "worker.service" in graph and "worker.intake" in graph["worker.service"]
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    circles = []
+
+    def visit(mod: str, path: list[str]) -> None:
+        state[mod] = 1
+        for dep in sorted(graph[mod]):
+            if state.get(dep) == 1:
+                circles.append(path[path.index(dep):] + [dep] if dep in path else [mod, dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
+    # a package's __init__ re-exporting its own submodules is not a circle of modules
+    circles = [c for c in circles if not any(b.startswith(a + ".") for a, b in zip(c, c[1:], strict=False))]
+    assert not circles, circles

@@ -30,6 +30,7 @@ import sys
 
 from producer import cli as client_cli
 from worker import fatal
+from worker.names import served_name
 
 EXIT_CLEAN = 0
 # 70: the step watchdog (worker/liveness.py); 71: an unexpected error in a worker thread;
@@ -135,13 +136,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         if v is not None:
             kw[name] = v
     return kw
-
-
-def served_name(model: str, explicit: str | None) -> str:
-    if explicit:
-        return explicit
-    base = os.path.basename(os.path.normpath(model))
-    return base[:-5] if base.endswith(".gguf") else base
 
 
 def settings_from(args: argparse.Namespace):

@@ -26,6 +26,7 @@ COLORS = ["31", "32", "33", "34", "35", "36", "91", "92", "93", "94"]
 def run_demo(args: argparse.Namespace) -> int:
     from producer.settings import Settings
     from worker.embedded import ensure_redis
+    from worker.names import served_name
 
     settings = Settings()
     url, server = ensure_redis(args.redis_url or settings.redis_url)
@@ -42,8 +43,6 @@ def run_demo(args: argparse.Namespace) -> int:
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
     try:
-        from worker.cli import served_name
-
         asyncio.run(_submit_and_stream(url, prefix, served_name(model, args.served_name),
                                        args.jobs, args.max_tokens, proc))
         return 0

@@ -1,34 +1,60 @@
-"""Intake half of the worker: reading entries (own pending, reclaimed, new), validating
-them and starting them in the engine. Mixed into worker.service.Worker, whose state it
-uses (engine, redis, keys, publisher, jobs, metrics).
+"""Intake: reading entries (own pending, reclaimed, new), validating them and starting
+them in the engine. A part of the worker (worker/service.py composes it): it adds jobs to
+the service's table of owned jobs and hands jobs that end at once to ``end_job``.
 
-Invariant: a job enters ``self.jobs`` only after the START script made this worker its
-owner (attempt bumped, status running); anything that cannot run is dead-lettered and
-acked in one script (REJECT), so no entry is left pending by a live worker.
+Invariant: a job enters ``jobs`` only after the START script made this worker its owner
+(attempt bumped, status running); anything that cannot run is dead-lettered and acked in
+one script (REJECT), so no entry is left pending by a live worker.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import redis
 
 from producer.keys import GROUP
 from producer.schema import JobRequest, parse_event
-from worker import faults
-from worker.jobs import BadEntry, Job, parse_entry, sampling_params
+from worker import faults, lua
+from worker.jobs import BadEntry, Job, WorkerIdentity, parse_entry, sampling_params
+from worker.metrics import Metrics
+from worker.pacing import StepPacer
+from worker.publisher import Publisher
 from worker.recovery import reclaim
 
 DLQ_BODY_CHARS = 4096  # a dead-lettered body is kept this long: enough to see what it was
 
 
 class Intake:
+    def __init__(self, ident: WorkerIdentity, engine, publisher: Publisher, metrics: Metrics,
+                 pacer: StepPacer, jobs: dict[str, Job],
+                 end_job: Callable[..., None], log) -> None:
+        """``jobs``: the service's table of owned jobs (intake adds to it, and removes a
+        job it dead-letters); ``end_job(job, status, reason, error="")``: how a job that
+        ends at admission is finished (expired, replayed to its end, too slow)."""
+        self.r, self.keys, self.s = ident.r, ident.keys, ident.settings
+        self.model, self.worker_id, self.stream = ident.model, ident.worker_id, ident.stream
+        self.engine, self.publisher, self.metrics, self.pacer = engine, publisher, metrics, pacer
+        self.jobs, self.end_job, self.log = jobs, end_job, log
+        self._start = lua.Script(self.r, lua.START)
+        self._reject = lua.Script(self.r, lua.REJECT)
+        self.round_trips = 0  # Redis round trips of the engine thread (bench/service.py)
+        self._next_reclaim = self._next_poll = 0.0
+        self._claim_cursor = "0-0"
+
+    def has_backlog(self) -> bool:
+        for g in self.r.xinfo_groups(self.stream):
+            if g["name"] == GROUP:
+                return bool(g.get("lag") or g.get("pending"))
+        return False
+
     def _room(self) -> int:
         eng = self.engine
         if not eng.can_admit():
             return 0
         return max(0, eng.config.max_num_seqs - eng.num_running - eng.num_waiting)
 
-    def _intake(self, own_pending: bool = False) -> bool:
+    def poll(self, own_pending: bool = False) -> bool:
         """Admit entries: own pending ones first (after a restart), then idle ones of
         other workers, then new ones. Returns False while own pending remain."""
         room = self._room()
@@ -59,7 +85,7 @@ class Intake:
         busy = self.engine.has_unfinished()
         if busy and time.monotonic() < self._next_poll:
             return True
-        self.intake_round_trips += 1
+        self.round_trips += 1
         resp = self.r.xreadgroup(GROUP, self.worker_id, {self.stream: ">"}, count=room,
                                  block=None if busy else 500)
         got = 0
@@ -96,7 +122,7 @@ class Intake:
             return
         faults.maybe_raise("intake", [job_id])
         jlog = self.log.bind(job_id=job_id)
-        self.intake_round_trips += 1
+        self.round_trips += 1
         res = self._start(keys=[self.keys.job(job_id), self.keys.queued_tokens(self.model),
                                 self.keys.queued_jobs(self.model)],
                           args=[self.worker_id, self.model, self.s.max_deliveries])
@@ -117,7 +143,7 @@ class Intake:
         if deadline is not None and time.time() > deadline:
             jlog.info("job_expired")
             self.publisher.register(job_id, attempt, next_index)
-            self._final(job, "expired", "deadline")
+            self.end_job(job, "expired", "deadline")
             return
         faults.on_admit(str(req.prompt or " ".join(m.content for m in req.messages or [])))
         try:
@@ -131,12 +157,12 @@ class Intake:
         self.publisher.register(job_id, attempt, next_index)
         self.jobs[job_id] = job
         if job.done:  # every choice had ended before a crash (replayed): just finish
-            self._final(job, "finished", job.finish_reason())
+            self.end_job(job, "finished", job.finish_reason())
             return
         too_slow = self._prefill_too_slow(job)
         if too_slow:
             self.engine.abort_request(job_id)
-            self._final(job, "failed", "error", error=too_slow)
+            self.end_job(job, "failed", "error", error=too_slow)
             return
         self.metrics.prompt_tokens.inc(job.prompt_tokens)
         jlog.info("job_started", attempt=attempt, resumed_tokens=job.completion_tokens)

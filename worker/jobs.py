@@ -10,11 +10,29 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
 from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams
-from producer.keys import JOB_ID_RE
+from producer.keys import JOB_ID_RE, Keys
 from producer.schema import JobRequest, clean_logprob, describe
+from producer.settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    """What every part of a worker knows of it: its Redis, key scheme, settings, the model
+    it serves (= its jobs stream) and its consumer name."""
+
+    r: redis.Redis
+    keys: Keys
+    settings: Settings
+    model: str
+    worker_id: str
+
+    @property
+    def stream(self) -> str:
+        return self.keys.jobs(self.model)
 
 
 class BadEntry(ValueError):

@@ -1,4 +1,5 @@
-"""Heartbeat, lease refresh, queue metrics and the step watchdog.
+"""Heartbeat, lease refresh, queue metrics and the step watchdog: parts of a worker with
+declared inputs (worker/service.py composes them).
 
 Heartbeats and lease refreshes are queued FROM the engine loop (the publisher thread
 only carries them): if the loop dies or wedges they stop, the heartbeat key expires and
@@ -9,92 +10,86 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import redis
 import structlog
 
 from producer.keys import GROUP
-from worker import fatal, faults
-
-if TYPE_CHECKING:
-    from worker.service import Worker
+from worker import fatal, faults, lua
+from worker.jobs import Job, WorkerIdentity
+from worker.metrics import Metrics
+from worker.publisher import Publisher
 
 log = structlog.get_logger("pagedq.liveness")
 PRUNE_AFTER_S = 3600.0  # a worker silent this long leaves {P}:workers and {P}:serving:*
 
 
-def beat(w: Worker) -> None:
-    """Queue one heartbeat + lease refresh (from the engine loop, or from the watchdog
-    while a step runs within its limit). The worker's entry in ``{P}:serving:{model}`` is
-    scored by its heartbeat's expiry time; members expired long ago are pruned there and
-    in ``{P}:workers``."""
-    now = time.time()
-    wk, ttl = w.keys.worker(w.worker_id), int(w.s.heartbeat_ttl_s) + 1
-    eng = w.engine
-    owned = list(w.jobs.values())
-    faults.maybe_raise("heartbeat", [j.job_id for j in owned])
-    state = {"model": w.model, "running": len(owned), "at": f"{now:.3f}",
-             "kv_usage": f"{eng.kv_cache_usage:.4f}"}
-    refresh_keys = [w.stream] + [w.keys.job(j.job_id) for j in owned]
-    refresh_args: list = [GROUP, w.worker_id]
-    for j in owned:
-        refresh_args += [j.entry_id, j.attempt]
-    serving, prune_before = w.keys.serving(w.model), now - PRUNE_AFTER_S
+class Heartbeat:
+    """The worker's heartbeat and lease refresh, queued on the publisher's next round trip
+    (from the engine loop, or from the watchdog while a step runs within its limit). The
+    worker's entry in ``{P}:serving:{model}`` is scored by its heartbeat's expiry time;
+    members silent for PRUNE_AFTER_S are pruned there and in ``{P}:workers``."""
 
-    def write(pipe) -> None:
-        pipe.hset(wk, mapping=state)
-        pipe.expire(wk, ttl)
-        pipe.zadd(w.keys.workers, {w.worker_id: now})
-        pipe.zremrangebyscore(w.keys.workers, "-inf", prune_before)
-        pipe.zadd(serving, {w.worker_id: now + ttl})
-        pipe.sadd(w.keys.models, w.model)
-        pipe.zremrangebyscore(serving, "-inf", prune_before)
-        if owned:
-            w.refresh_script(keys=refresh_keys, args=refresh_args, client=pipe)
+    def __init__(self, ident: WorkerIdentity, publisher: Publisher) -> None:
+        self.ident, self.publisher = ident, publisher
+        self._refresh = lua.Script(ident.r, lua.REFRESH)
 
-    w.publisher.call(write)
+    def beat(self, jobs: list[Job], kv_usage: float) -> None:
+        """``jobs``: the jobs the worker owns now (their leases are refreshed)."""
+        ident, keys = self.ident, self.ident.keys
+        faults.maybe_raise("heartbeat", [j.job_id for j in jobs])
+        now = time.time()
+        wk, ttl = keys.worker(ident.worker_id), int(ident.settings.heartbeat_ttl_s) + 1
+        state = {"model": ident.model, "running": len(jobs), "at": f"{now:.3f}",
+                 "kv_usage": f"{kv_usage:.4f}"}
+        refresh_keys = [ident.stream] + [keys.job(j.job_id) for j in jobs]
+        refresh_args: list = [GROUP, ident.worker_id]
+        for j in jobs:
+            refresh_args += [j.entry_id, j.attempt]
+        serving, prune_before = keys.serving(ident.model), now - PRUNE_AFTER_S
 
+        def write(pipe) -> None:
+            pipe.hset(wk, mapping=state)
+            pipe.expire(wk, ttl)
+            pipe.zadd(keys.workers, {ident.worker_id: now})
+            pipe.zremrangebyscore(keys.workers, "-inf", prune_before)
+            pipe.zadd(serving, {ident.worker_id: now + ttl})
+            pipe.sadd(keys.models, ident.model)
+            pipe.zremrangebyscore(serving, "-inf", prune_before)
+            if jobs:
+                self._refresh(keys=refresh_keys, args=refresh_args, client=pipe)
 
-def engine_gauges(w: Worker) -> None:
-    m, eng = w.metrics, w.engine
-    m.running.set(eng.num_running)
-    m.waiting.set(eng.num_waiting)
-    m.kv_usage.set(eng.kv_cache_usage)
-    preempted = eng.scheduler.num_preemptions_total
-    if preempted > w.preemptions_seen:
-        m.preemptions.inc(preempted - w.preemptions_seen)
-        w.preemptions_seen = preempted
+        self.publisher.call(write)
 
-
-def leave(w: Worker) -> None:
-    """A clean stop: no longer listed as serving (clients asking require_worker see it)."""
-    try:
-        pipe = w.r.pipeline(transaction=False)
-        pipe.zrem(w.keys.serving(w.model), w.worker_id)
-        pipe.zrem(w.keys.workers, w.worker_id)
-        pipe.delete(w.keys.worker(w.worker_id))
-        pipe.execute()
-    except redis.RedisError as e:
-        log.warning("leave_failed", error=str(e))
+    def leave(self) -> None:
+        """A clean stop: no longer listed as serving (clients asking require_worker see it)."""
+        ident, keys = self.ident, self.ident.keys
+        try:
+            pipe = ident.r.pipeline(transaction=False)
+            pipe.zrem(keys.serving(ident.model), ident.worker_id)
+            pipe.zrem(keys.workers, ident.worker_id)
+            pipe.delete(keys.worker(ident.worker_id))
+            pipe.execute()
+        except redis.RedisError as e:
+            log.warning("leave_failed", error=str(e))
 
 
-def read_queue_metrics(w: Worker) -> None:
+def read_queue_metrics(ident: WorkerIdentity, metrics: Metrics) -> None:
     """Stream length, pending, oldest pending age, DLQ size (one round trip)."""
     try:
-        pipe = w.r.pipeline(transaction=False)
-        pipe.xlen(w.stream)
-        pipe.xpending(w.stream, GROUP)
-        pipe.xlen(w.keys.dlq(w.model))
-        pipe.xpending_range(w.stream, GROUP, min="-", max="+", count=1)
+        pipe = ident.r.pipeline(transaction=False)
+        pipe.xlen(ident.stream)
+        pipe.xpending(ident.stream, GROUP)
+        pipe.xlen(ident.keys.dlq(ident.model))
+        pipe.xpending_range(ident.stream, GROUP, min="-", max="+", count=1)
         length, pend, dlq, oldest = pipe.execute()
-    except Exception as e:  # metrics must never take the worker down
+    except Exception as e:  # noqa: BLE001 - metrics must never take the worker down
         log.warning("queue_metrics_failed", error=str(e))
         return
-    w.metrics.stream_length.set(length)
-    w.metrics.pending.set(pend["pending"] if isinstance(pend, dict) else 0)
-    w.metrics.dlq_size.set(dlq)
-    w.metrics.oldest_pending.set(oldest[0]["time_since_delivered"] / 1000 if oldest else 0)
+    metrics.stream_length.set(length)
+    metrics.pending.set(pend["pending"] if isinstance(pend, dict) else 0)
+    metrics.dlq_size.set(dlq)
+    metrics.oldest_pending.set(oldest[0]["time_since_delivered"] / 1000 if oldest else 0)
 
 
 class Watchdog:

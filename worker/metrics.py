@@ -11,6 +11,7 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)
 class Metrics:
     def __init__(self) -> None:
         self.registry = reg = CollectorRegistry()
+        self._preemptions_seen = 0
         g = lambda n, d: Gauge(f"pagedq:{n}", d, registry=reg)
         c = lambda n, d: Counter(f"pagedq:{n}", d, registry=reg)
         self.running = g("num_requests_running", "Requests in the running batch")
@@ -35,6 +36,16 @@ class Metrics:
         self.reclaims = c("reclaims", "Entries reclaimed from dead or stale workers")
         self.finished = Counter("pagedq:request_success", "Jobs ended, by status",
                                 ["status"], registry=reg)
+
+    def observe_engine(self, engine) -> None:
+        """Gauges of the engine's state, and preemptions since the last call."""
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        self.kv_usage.set(engine.kv_cache_usage)
+        total = engine.scheduler.num_preemptions_total
+        if total > self._preemptions_seen:
+            self.preemptions.inc(total - self._preemptions_seen)
+            self._preemptions_seen = total
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose /metrics on ``host``:``port`` (port 0 = pick a free one); returns the port.

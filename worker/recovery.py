@@ -48,27 +48,34 @@ def reclaim(r: redis.Redis, stream: str, consumer: str, lease_s: float, count: i
 
 
 
-def expire_unserved(w) -> None:
-    """Expire queued jobs of models that no live worker serves (any worker runs this for
-    every model in ``{P}:models``, its own included: a lone worker that stopped serving
-    its model leaves no one else to do it)."""
-    models = sorted(w.r.smembers(w.keys.models))
-    if not models:
-        return
-    for _ in range(2):  # a second time after loading the scripts (Redis lost its cache)
-        pipe = w.r.pipeline(transaction=False)
-        for model in models:
-            w.expire_script(keys=[w.keys.jobs(model), w.keys.serving(model),
-                                  w.keys.queued_tokens(model), w.keys.queued_jobs(model),
-                                  w.keys.cancel],
-                            args=[w.keys.base, w.s.unserved_timeout_s, w.s.result_ttl_s, 1000],
-                            client=pipe)
-        results = pipe.execute(raise_on_error=False)
-        if not lua.noscript(results):
-            break
-        lua.load_all(w.r)
-    for model, n in zip(models, results, strict=True):
-        if isinstance(n, Exception):
-            w.log.warning("expire_unserved_failed", model=model, error=str(n))
-        elif n:
-            w.log.warning("jobs_expired_unserved", model=model, count=n)
+class UnservedSweep:
+    """Expires queued jobs of models that no live worker serves. Every worker runs it for
+    every model in ``{P}:models``, its own included: a lone worker that stopped serving its
+    model leaves no one else to do it."""
+
+    def __init__(self, ident, log) -> None:
+        self.ident, self.log = ident, log
+        self._script = lua.Script(ident.r, lua.EXPIRE_UNSERVED)
+
+    def run(self) -> None:
+        r, keys, s = self.ident.r, self.ident.keys, self.ident.settings
+        models = sorted(r.smembers(keys.models))
+        if not models:
+            return
+        for _ in range(2):  # a second time after loading the scripts (Redis lost its cache)
+            pipe = r.pipeline(transaction=False)
+            for model in models:
+                self._script(keys=[keys.jobs(model), keys.serving(model),
+                                   keys.queued_tokens(model), keys.queued_jobs(model),
+                                   keys.cancel],
+                             args=[keys.base, s.unserved_timeout_s, s.result_ttl_s, 1000],
+                             client=pipe)
+            results = pipe.execute(raise_on_error=False)
+            if not lua.noscript(results):
+                break
+            lua.load_all(r)
+        for model, n in zip(models, results, strict=True):
+            if isinstance(n, Exception):
+                self.log.warning("expire_unserved_failed", model=model, error=str(n))
+            elif n:
+                self.log.warning("jobs_expired_unserved", model=model, count=n)

@@ -18,9 +18,9 @@ import structlog
 from engine.llm_engine import LLMEngine
 from producer.keys import GROUP, Keys
 from producer.settings import Settings
-from worker import fatal, faults, liveness, lua, recovery
+from worker import fatal, faults, liveness, recovery
 from worker.intake import Intake
-from worker.jobs import Job, logprobs_json, split_request_id
+from worker.jobs import Job, WorkerIdentity, logprobs_json, split_request_id
 from worker.metrics import Metrics
 from worker.pacing import StepPacer
 from worker.publisher import Final, Publisher
@@ -33,43 +33,44 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class Worker(Intake):
+class Worker:
+    """The service: parts with declared interfaces, composed here and driven by one loop.
+    The engine thread owns ``jobs`` (the jobs this worker started and has not ended) and
+    the engine; the publisher thread owns Redis writes of results; the watchdog thread
+    only watches steps."""
+
     def __init__(self, engine: LLMEngine, settings: Settings | None = None, *,
                  worker_id: str | None = None) -> None:
-        self.s = settings or Settings()
+        s = self.s = settings or Settings()
         self.engine = engine
-        self.model = self.s.model
         self.worker_id = worker_id or default_worker_id()
-        self.keys = Keys(self.s.prefix)
         # surrogateescape: an entry that is not UTF-8 reaches parse_entry (and the DLQ,
         # byte for byte) instead of failing the whole XREADGROUP reply
-        self.r = redis.Redis.from_url(self.s.redis_url, decode_responses=True,
+        self.r = redis.Redis.from_url(s.redis_url, decode_responses=True,
                                       encoding_errors="surrogateescape",
                                       health_check_interval=10, socket_timeout=30)
-        self.stream = self.keys.jobs(self.model)
-        self.publisher = Publisher(self.r, self.keys, self.s, self.model)
-        self.metrics = Metrics()
-        self._start = lua.Script(self.r, lua.START)
-        self._reject = lua.Script(self.r, lua.REJECT)
-        self.refresh_script = lua.Script(self.r, lua.REFRESH)
-        self.expire_script = lua.Script(self.r, lua.EXPIRE_UNSERVED)
+        ident = self.ident = WorkerIdentity(self.r, Keys(s.prefix), s, s.model, self.worker_id)
+        self.model, self.keys, self.stream = ident.model, ident.keys, ident.stream
+        self.log = log.bind(worker_id=self.worker_id, model=self.model)
         self.jobs: dict[str, Job] = {}
-        self.preemptions_seen = 0
-        self.steps = self.intake_round_trips = 0  # for bench/service.py
+        self.metrics = Metrics()
+        self.publisher = Publisher(self.r, self.keys, s, self.model)
+        self.pacer = StepPacer(engine, s.max_step_s, s.step_watchdog_s)
+        self.intake = Intake(ident, engine, self.publisher, self.metrics, self.pacer, self.jobs,
+                             self._final, self.log)
+        self.heartbeat = liveness.Heartbeat(ident, self.publisher)
+        self.sweep = recovery.UnservedSweep(ident, self.log)
+        self.watchdog = liveness.Watchdog(self.pacer.watchdog_limit_s, self.worker_id,
+                                          keepalive=self._beat,
+                                          every_s=min(s.lease_s, s.heartbeat_ttl_s) / 3)
+        self.steps = 0  # for bench/service.py
         self._stopping = False
-        self._next_beat = self._next_reclaim = self._next_metrics = self._next_poll = 0.0
+        self._next_beat = self._next_metrics = self._next_sweep = 0.0
         # seconds of the engine thread, by phase (logged at exit; bench/service.py reads it);
         # "intake" includes blocking on the stream while the engine is idle
         self.loop_s = {"engine_step": 0.0, "emit": 0.0, "intake": 0.0, "other": 0.0}
         self._redis_retry_at = 0.0
         self._backoff = 0.1
-        self._claim_cursor = "0-0"
-        self.pacer = StepPacer(engine, self.s.max_step_s, self.s.step_watchdog_s)
-        self.watchdog = liveness.Watchdog(self.pacer.watchdog_limit_s, self.worker_id,
-                                          keepalive=lambda: liveness.beat(self),
-                                          every_s=min(self.s.lease_s, self.s.heartbeat_ttl_s) / 3)
-        self._next_sweep = 0.0
-        self.log = log.bind(worker_id=self.worker_id, model=self.model)
 
     # ---- lifecycle --------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -92,12 +93,12 @@ class Worker(Intake):
         finally:
             self.watchdog.stop()
             self.publisher.stop()
-            liveness.leave(self)
+            self.heartbeat.leave()
             loop = self.loop_s
             loop["other"] = time.perf_counter() - t_start - sum(loop.values())
             self.log.info("worker_stopped", steps=self.steps,
                           publish_round_trips=self.publisher.rounds,
-                          intake_round_trips=self.intake_round_trips,
+                          intake_round_trips=self.intake.round_trips,
                           loop_s={k: round(v, 3) for k, v in loop.items()})
 
     def _loop(self, until_idle: bool) -> None:
@@ -114,12 +115,12 @@ class Worker(Intake):
                     break
             else:
                 t = time.perf_counter()
-                if self._redis_call(self._intake, own_pending):
+                if self._redis_call(self.intake.poll, own_pending):
                     own_pending = False
                 self.loop_s["intake"] += time.perf_counter() - t
             if self.engine.has_unfinished():
                 self._step()
-            elif until_idle and not self._redis_call(self._has_backlog):
+            elif until_idle and not self._redis_call(self.intake.has_backlog):
                 break
             self._housekeeping()
         self._release_all()
@@ -166,12 +167,6 @@ class Worker(Intake):
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
-
-    def _has_backlog(self) -> bool:
-        for g in self.r.xinfo_groups(self.stream):
-            if g["name"] == GROUP:
-                return bool(g.get("lag") or g.get("pending"))
-        return False
 
     def _release_all(self) -> None:
         """Hand unfinished jobs back: abort them here and mark their entries long idle so
@@ -257,15 +252,18 @@ class Worker(Intake):
             self.engine.abort_request(job.job_id)
             self._final(job, "finished", "deadline")
 
+    def _beat(self) -> None:
+        self.heartbeat.beat(list(self.jobs.values()), self.engine.kv_cache_usage)
+
     def _housekeeping(self) -> None:
         now = time.monotonic()
         if now >= self._next_beat:
             self._next_beat = now + min(1.0, self.s.heartbeat_ttl_s / 3)
-            liveness.beat(self)
-            liveness.engine_gauges(self)
+            self._beat()
+            self.metrics.observe_engine(self.engine)
         if self.s.metrics_port and now >= self._next_metrics:
             self._next_metrics = now + 5.0
-            liveness.read_queue_metrics(self)
+            liveness.read_queue_metrics(self.ident, self.metrics)
         if self.s.unserved_timeout_s and now >= self._next_sweep:
             self._next_sweep = now + min(30.0, self.s.unserved_timeout_s / 4)
-            self._redis_call(recovery.expire_unserved, self)
+            self._redis_call(self.sweep.run)
