@@ -63,6 +63,8 @@ def test_long_prefill_on_a_slow_device_is_not_taken_over(svc):
     # with the measured cost, a prompt that cannot be prefilled before its deadline fails
     # at once with the reason (after the worker that measured it admits it)
     b.stop()
+    calibrate = gen(c, "d", max_tokens=10)  # a's own measurements: a few more steps
+    assert c.result(calibrate, timeout=60).status == "finished"
     late = gen(c, "c" * 240, max_tokens=4, timeout_s=2.5)
     rec = c.result(late, timeout=60)
     assert rec.status == "failed" and "to prefill" in rec.error, rec

@@ -179,7 +179,7 @@ class Intake:
                 continue
             prompt_tokens = self.engine.add_request(
                 job.request_id(k), req.prompt, sampling_params(req, k), messages=messages,
-                priority=req.priority, resume_token_ids=choice.token_ids)
+                priority=req.priority, resume_token_ids=choice.resumed_ids)
         return prompt_tokens or len(self.engine.encode(req.prompt, messages))
 
     def _prefill_too_slow(self, job: Job) -> str:
@@ -213,7 +213,8 @@ class Intake:
             if ev.index != n or ev.type != "token" or not 0 <= ev.choice < len(job.choices):
                 break
             choice = job.choices[ev.choice]
-            choice.token_ids.extend(ev.token_ids)
+            choice.resumed_ids.extend(ev.token_ids)
+            choice.num_tokens += len(ev.token_ids)
             choice.text.append(ev.delta)
             if ev.finish_reason:
                 choice.finish_reason = ev.finish_reason

@@ -46,7 +46,8 @@ class BadEntry(ValueError):
 @dataclass(slots=True)
 class ChoiceState:
     text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)  # resumed + generated
+    num_tokens: int = 0  # resumed + generated
+    resumed_ids: list[int] = field(default_factory=list)  # replayed from an earlier attempt
     finish_reason: str | None = None
 
 
@@ -78,7 +79,7 @@ class Job:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.choices)
+        return sum(c.num_tokens for c in self.choices)
 
     @property
     def text(self) -> str:
@@ -92,7 +93,7 @@ class Job:
         if self.request.n == 1:
             return None
         return [{"index": k, "text": "".join(c.text), "finish_reason": c.finish_reason or "",
-                 "completion_tokens": len(c.token_ids)} for k, c in enumerate(self.choices)]
+                 "completion_tokens": c.num_tokens} for k, c in enumerate(self.choices)]
 
 
 def split_request_id(rid: str) -> tuple[str, int]:

@@ -126,7 +126,8 @@ class Worker:
         self._release_all()
 
     def _step(self) -> None:
-        faults.maybe_raise("engine", list(self.jobs))
+        if faults.FAILPOINTS:
+            faults.maybe_raise("engine", list(self.jobs))
         # Cancel requests are looked up while the step runs and applied before its tokens
         # are published: a cancel that landed before the step began stops the job's output
         # at once, one that lands during it by the end of the next step.
@@ -139,7 +140,7 @@ class Worker:
         self.watchdog.step_ends()
         self.pacer.after_step(t1 - t0, self.engine.last_step_tokens)
         self.steps += 1
-        self._drain_cancels()
+        self._apply_cancels()
         self._emit(outs)
         self.loop_s["engine_step"] += t1 - t0
         self.loop_s["emit"] += time.perf_counter() - t1
@@ -188,11 +189,17 @@ class Worker:
     # ---- results ----------------------------------------------------------------------
     def _emit(self, outs: list) -> None:
         batch, now, ended = [], time.monotonic(), []
+        jobs = self.jobs
         for o in outs:
-            job_id, k = split_request_id(o.request_id)
-            job = self.jobs.get(job_id)
+            rid, k = o.request_id, 0
+            job = jobs.get(rid)  # n == 1: the request id is the job id
             if job is None:
-                continue
+                if "#" not in rid:
+                    continue
+                rid, k = split_request_id(rid)
+                job = jobs.get(rid)
+                if job is None:
+                    continue
             if job.last_token_at is None:
                 self.metrics.ttft.observe(now - job.admitted_at)
             else:
@@ -200,14 +207,14 @@ class Worker:
             job.last_token_at = now
             choice = job.choices[k]
             choice.text.append(o.delta)
-            choice.token_ids.extend(o.new_token_ids)
+            choice.num_tokens += len(o.new_token_ids)
             fr = None
             if o.finished:
                 fr = choice.finish_reason = o.finish_reason or "stop"
                 if job.done:
                     ended.append(job)
             lp = logprobs_json(o.logprobs, self._token_text) if o.logprobs else None
-            batch.append((job_id, job.attempt, None if job.request.n == 1 else k, o.delta,
+            batch.append((rid, job.attempt, None if job.request.n == 1 else k, o.delta,
                           o.new_token_ids, lp, fr))
         self.metrics.generation_tokens.inc(len(batch))
         self.publisher.tokens(batch)
@@ -237,6 +244,14 @@ class Worker:
                                    job.completion_tokens, done, job.choices_json()))
 
     def _drain_cancels(self) -> None:
+        """Cancels and takeovers, then deadlines (O(jobs): once per loop, not per step)."""
+        self._apply_cancels()
+        now = time.time()
+        for job in [j for j in self.jobs.values() if j.deadline is not None and now > j.deadline]:
+            self.engine.abort_request(job.job_id)
+            self._final(job, "finished", "deadline")
+
+    def _apply_cancels(self) -> None:
         while not self.publisher.lost.empty():  # another worker took it over: stop, no result
             job = self.jobs.pop(self.publisher.lost.get(), None)
             if job is not None:
@@ -247,10 +262,6 @@ class Worker:
             if job is not None:
                 self.engine.abort_request(job.job_id)
                 self._final(job, "cancelled", "cancelled")
-        now = time.time()
-        for job in [j for j in self.jobs.values() if j.deadline is not None and now > j.deadline]:
-            self.engine.abort_request(job.job_id)
-            self._final(job, "finished", "deadline")
 
     def _beat(self) -> None:
         self.heartbeat.beat(list(self.jobs.values()), self.engine.kv_cache_usage)
