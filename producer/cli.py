@@ -32,7 +32,7 @@ import redis
 
 from .client import Client
 from .errors import InvalidRequest, JobConflict, JobNotFound, Overloaded, PagedqError, ResultTimeout
-from .schema import FinalEvent, JobRecord, JobRequest, Status, TokenEvent
+from .schema import FinalEvent, FinishReason, JobRecord, JobRequest, Status, TokenEvent
 from .settings import Settings
 
 EXIT_OK = 0
@@ -121,7 +121,7 @@ def exit_code_of(status: Status | str, finish_reason: str) -> int:
     """Exit code of a job in a terminal state (see the table in the module docstring)."""
     status = Status(status)
     if status == Status.finished:
-        return EXIT_JOB_EXPIRED if finish_reason == "deadline" else EXIT_OK
+        return EXIT_JOB_EXPIRED if finish_reason == FinishReason.deadline else EXIT_OK
     return {Status.failed: EXIT_JOB_FAILED, Status.cancelled: EXIT_JOB_CANCELLED,
             Status.expired: EXIT_JOB_EXPIRED}.get(status, EXIT_ERROR)
 

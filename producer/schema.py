@@ -42,6 +42,19 @@ class Status(StrEnum):
 TERMINAL = frozenset({Status.finished, Status.failed, Status.cancelled, Status.expired})
 
 
+class FinishReason(StrEnum):
+    """Why a job (or one of its choices) ended. ``deadline`` ends a running job (status
+    finished, partial text) or a queued one (status expired); ``no_worker`` expires a job
+    of a model no worker served (worker/recovery.py)."""
+
+    stop = "stop"  # a stop string, a stop token or EOS
+    length = "length"  # max_tokens, or the model's context
+    cancelled = "cancelled"
+    deadline = "deadline"  # the job's timeout_s ran out
+    error = "error"  # status failed; the record's error says why
+    no_worker = "no_worker"
+
+
 def describe(e: ValidationError, limit: int = 8) -> str:
     """A validation error as one line: ``field: problem; field: problem``."""
     parts = []

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import redis
 
 from producer.keys import GROUP
-from producer.schema import JobRequest, parse_event
+from producer.schema import FinishReason, JobRequest, Status, parse_event
 from worker import faults, lua
 from worker.jobs import BadEntry, Job, WorkerIdentity, parse_entry, sampling_params
 from worker.metrics import Metrics
@@ -143,7 +143,7 @@ class Intake:
         if deadline is not None and time.time() > deadline:
             jlog.info("job_expired")
             self.publisher.register(job_id, attempt, next_index)
-            self.end_job(job, "expired", "deadline")
+            self.end_job(job, Status.expired, FinishReason.deadline)
             return
         faults.on_admit(str(req.prompt or " ".join(m.content for m in req.messages or [])))
         try:
@@ -157,12 +157,12 @@ class Intake:
         self.publisher.register(job_id, attempt, next_index)
         self.jobs[job_id] = job
         if job.done:  # every choice had ended before a crash (replayed): just finish
-            self.end_job(job, "finished", job.finish_reason())
+            self.end_job(job, Status.finished, job.finish_reason())
             return
         too_slow = self._prefill_too_slow(job)
         if too_slow:
             self.engine.abort_request(job_id)
-            self.end_job(job, "failed", "error", error=too_slow)
+            self.end_job(job, Status.failed, FinishReason.error, error=too_slow)
             return
         self.metrics.prompt_tokens.inc(job.prompt_tokens)
         jlog.info("job_started", attempt=attempt, resumed_tokens=job.completion_tokens)
@@ -235,4 +235,4 @@ class Intake:
                            f"{time.time():.6f}", self.s.result_ttl_s, self.keys.chan(job_id or "_"),
                            deliveries, self.s.dlq_ttl_s])
         self.jobs.pop(job_id, None)
-        self.metrics.finished.labels("failed").inc()
+        self.metrics.finished.labels(Status.failed).inc()

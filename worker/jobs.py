@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams
 from producer.keys import JOB_ID_RE, Keys
-from producer.schema import JobRequest, clean_logprob, describe
+from producer.schema import FinishReason, JobRequest, clean_logprob, describe
 from producer.settings import Settings
 
 
@@ -86,7 +86,7 @@ class Job:
         return "".join(self.choices[0].text)
 
     def finish_reason(self) -> str:
-        return self.choices[0].finish_reason or "stop"
+        return self.choices[0].finish_reason or FinishReason.stop
 
     def choices_json(self) -> list[dict[str, Any]] | None:
         """The final event's ``choices`` (n > 1 only)."""

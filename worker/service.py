@@ -17,6 +17,7 @@ import structlog
 
 from engine.llm_engine import LLMEngine
 from producer.keys import GROUP, Keys
+from producer.schema import FinishReason, Status
 from producer.settings import Settings
 from worker import fatal, faults, liveness, recovery
 from worker.intake import Intake
@@ -210,7 +211,7 @@ class Worker:
             choice.num_tokens += len(o.new_token_ids)
             fr = None
             if o.finished:
-                fr = choice.finish_reason = o.finish_reason or "stop"
+                fr = choice.finish_reason = o.finish_reason or FinishReason.stop
                 if job.done:
                     ended.append(job)
             lp = logprobs_json(o.logprobs, self._token_text) if o.logprobs else None
@@ -219,13 +220,13 @@ class Worker:
         self.metrics.generation_tokens.inc(len(batch))
         self.publisher.tokens(batch)
         for job in ended:
-            self._final(job, "finished", job.finish_reason())
+            self._final(job, Status.finished, job.finish_reason())
 
     def _token_text(self, token_id: int) -> str:
         tok = self.engine.tokenizer
         return tok.decode([token_id]) if tok is not None else ""
 
-    def _final(self, job: Job, status: str, reason: str, error: str = "") -> None:
+    def _final(self, job: Job, status: Status, reason: str, error: str = "") -> None:
         """End the job: choices still running end with ``reason`` (cancelled, deadline)."""
         self.jobs.pop(job.job_id, None)
         for choice in job.choices:
@@ -249,7 +250,7 @@ class Worker:
         now = time.time()
         for job in [j for j in self.jobs.values() if j.deadline is not None and now > j.deadline]:
             self.engine.abort_request(job.job_id)
-            self._final(job, "finished", "deadline")
+            self._final(job, Status.finished, FinishReason.deadline)
 
     def _apply_cancels(self) -> None:
         while not self.publisher.lost.empty():  # another worker took it over: stop, no result
@@ -261,7 +262,7 @@ class Worker:
             job = self.jobs.get(self.publisher.cancel_hits.get())
             if job is not None:
                 self.engine.abort_request(job.job_id)
-                self._final(job, "cancelled", "cancelled")
+                self._final(job, Status.cancelled, FinishReason.cancelled)
 
     def _beat(self) -> None:
         self.heartbeat.beat(list(self.jobs.values()), self.engine.kv_cache_usage)
