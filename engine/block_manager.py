@@ -1,7 +1,8 @@
 """Paged KV-cache block manager with a prefix cache (vLLM v1 KVCacheManager-like; no torch).
 
 Public API:
-    BlockManager(num_blocks: int, block_size: int, enable_prefix_caching: bool = True)
+    BlockManager(num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_known_tokens: Callable[[Sequence], int] | None = None)
     .get_computed_blocks(seq) -> tuple[list[int], int]
     .allocate_slots(seq, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool
     .free(seq) -> None
@@ -24,12 +25,16 @@ Invariants (check_integrity verifies them):
     not constructible.
   * ``seq.block_hashes[i]`` is the chained hash of ``seq.token_ids[: (i+1)*block_size]`` (only
     full blocks; a memo of a pure function of the tokens, so it survives preemption).
+  * Only tokens whose values the host knows are hashed: ``num_known_tokens(seq)`` (default
+    all of them; the async pipeline, engine/pipeline.py, gives its own, which leaves out a
+    token still on the device). A block completed by such a token is registered later, by
+    ``cache_resolved_block``.
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from engine.kv_blocks import FreeBlockQueue, KVBlock
 from engine.sequence import Sequence
@@ -47,8 +52,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _all_tokens(seq: Sequence) -> int:
+    return len(seq.token_ids)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_known_tokens: Callable[[Sequence], int] | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1 (got {num_blocks})")
         if block_size < 1:
@@ -56,6 +66,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.num_known_tokens = num_known_tokens or _all_tokens
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}
@@ -113,7 +124,7 @@ class BlockManager:
         """Grow seq.block_table to cover num_computed + num_new tokens (after taking hits).
 
         Returns False, changing nothing, when free blocks (evictable cached ones count) do not
-        suffice. Registers every block that is full within the covered tokens.
+        suffice. Registers every block that is full within the covered, known tokens.
         """
         bs = self.block_size
         if num_new_tokens < 0:
@@ -134,10 +145,9 @@ class BlockManager:
                     self._evict(b)
                     b.ref_cnt = 1
                     table.append(b.block_id)
-            if self.enable_prefix_caching:
-                num_full = min(total, len(seq.token_ids) - seq.num_pending_tokens) // bs
-                if num_full > num_computed // bs:  # (inlined _num_known: most steps fill none)
-                    self._cache_full_blocks(seq, num_computed // bs, num_full)
+            # most steps fill no block: only one that does asks which tokens are known
+            if self.enable_prefix_caching and total // bs > num_computed // bs:
+                self._cache_full_blocks(seq, num_computed // bs, self._num_known(seq, total) // bs)
             return True
         computed = computed_blocks
         if computed and (seq.block_table or seq.num_computed_tokens):
@@ -175,16 +185,13 @@ class BlockManager:
             self._cache_full_blocks(seq, num_computed // bs, self._num_known(seq, total) // bs)
         return True
 
-    @staticmethod
-    def _num_known(seq: Sequence, total: int) -> int:
-        """Of the first ``total`` tokens, how many precede a placeholder (sequence.py): a
-        block holding a token not yet known on the host is registered later, by
-        cache_resolved_block."""
-        return min(total, len(seq.token_ids) - seq.num_pending_tokens)
+    def _num_known(self, seq: Sequence, total: int) -> int:
+        """Of the first ``total`` tokens, how many the host knows (see num_known_tokens)."""
+        return min(total, self.num_known_tokens(seq))
 
     def cache_resolved_block(self, seq: Sequence) -> None:
-        """seq's last token was a placeholder when its slot was allocated and is known now:
-        register the block it completes, if that block is full and computed (its K/V is
+        """seq's last token was not known on the host when its slot was allocated and is
+        known now: register the block it completes, if that block is full and computed (its K/V is
         written by the step in flight, which precedes any reader on the device stream)."""
         bs, n = self.block_size, len(seq.token_ids)
         if self.enable_prefix_caching and n % bs == 0 and seq.num_computed_tokens >= n \

@@ -11,9 +11,10 @@ depends on being told that a sequence finished. Row contents beyond a sequence's
 are stale; the kernels read only the blocks covering seq_lens.
 
 Everything the host computes travels in two pinned buffers (int64, int32) with one
-non-blocking copy each, so building a step never waits for the device. Token ids that
-are placeholders (sequence.py: sampled by the step still in flight) are gathered on the
-device from that step's sampled-token tensor.
+non-blocking copy each, so building a step never waits for the device. The last input
+token of a sampling row whose sequence is a row of the step still in flight (its
+placeholder, engine/pipeline.py) is gathered on the device from that step's sampled-token
+tensor.
 """
 from __future__ import annotations
 
@@ -22,17 +23,18 @@ from array import array
 import torch
 
 from engine.batch import ScheduledBatch
+from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata
 from engine.sequence import Sequence
 
 
 class InputBuilder:
-    def __init__(self, device: torch.device, block_size: int, max_model_len: int,
-                 num_rows: int) -> None:
+    def __init__(self, device: torch.device, config: EngineConfig, max_model_len: int) -> None:
         self.device = device
-        self.block_size = block_size
+        self.config = config  # block_size is read from here
         self.max_model_len = max_model_len
-        self.width = -(-max_model_len // block_size)
+        self.width = -(-max_model_len // config.block_size)
+        num_rows = 2 * config.max_num_seqs  # to start with: grows when a batch needs more
         self.tables = torch.zeros(num_rows, self.width, dtype=torch.int32, device=device)
         # seq -> [row, the block_table list object synced, number of its blocks synced]
         self._rows: dict[Sequence, list] = {}
@@ -59,10 +61,12 @@ class InputBuilder:
               prev_tokens: torch.Tensor | None = None):
         """(input_ids [T], positions [T], AttentionMetadata, sample_rows [N]).
 
-        ``pending`` maps a sequence whose last token is a placeholder to its row in
-        ``prev_tokens`` (the device tensor of the step that sampled it)."""
-        bs, width, max_len = self.block_size, self.width, self.max_model_len
+        ``pending`` maps each sequence that sampled in the step still in flight to its row
+        in ``prev_tokens`` (that step's device tensor): a sampling row whose sequence is
+        in it takes its last token from there (the host holds a placeholder)."""
+        bs, width, max_len = self.config.block_size, self.width, self.max_model_len
         rows = self._rows
+        pending_row = pending.get if pending else None
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -93,12 +97,11 @@ class InputBuilder:
             cu.append(t)
             if end == len(toks):
                 samples.append(t - 1)
-                if seq.num_pending_tokens:
-                    if pending is None or seq not in pending:
-                        raise RuntimeError(f"{seq.request_id}: placeholder token with no "
-                                           f"step in flight to take it from")
-                    dst.append(t - 1)
-                    src.append(pending[seq])
+                if pending_row is not None:
+                    j = pending_row(seq)
+                    if j is not None:
+                        dst.append(t - 1)
+                        src.append(j)
             entry = rows.get(seq)
             if entry is None or entry[1] is not bt:
                 entry = self._assign(seq, batch.seqs)

@@ -9,7 +9,6 @@ the next ``step()`` call, while the device runs that next step.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +18,11 @@ from engine.detokenizer import OutputStream
 from engine.model_runner import ModelRunner
 from engine.offline import OfflineMixin
 from engine.outputs import StepOutput
-from engine.pipeline import InFlight, launch
+from engine.pipeline import StepPipeline, num_known_tokens
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import PLACEHOLDER, SeqStatus, Sequence
+from engine.sequence import Sequence
 
 
 class _NoText:
@@ -52,13 +51,13 @@ class LLMEngine(OfflineMixin):
         self.max_model_len = self._fit_max_model_len()
         self.eos_token_ids = set(self.runner.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
+                                          self.config.enable_prefix_caching, num_known_tokens)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids, self.config.seed)
         self._live: dict[str, _Live] = {}
-        self._inflight: InFlight | None = None  # the step launched, not yet collected
-        self._block_size = self.config.block_size
-        self.device_wait_s = 0.0  # host time spent waiting for sampled tokens (stats)
+        self.pipeline = StepPipeline(self.runner, self.sampler, self.scheduler, self._live,
+                                     self._advance, self.max_model_len,
+                                     self.config.async_scheduling)
         self.last_step_tokens = 0  # tokens computed by the step the last step() launched
 
     def _fit_max_model_len(self) -> int:
@@ -161,6 +160,11 @@ class LLMEngine(OfflineMixin):
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage
 
+    @property
+    def device_wait_s(self) -> float:
+        """Host time spent waiting for sampled tokens (stats)."""
+        return self.pipeline.device_wait_s
+
     def set_step_budget(self, tokens: int) -> int:
         """Limit the tokens one step computes (prefill chunks + decodes) to ``tokens``,
         clipped to [1, max_num_batched_tokens]; returns the budget in force. Lets a caller
@@ -173,56 +177,21 @@ class LLMEngine(OfflineMixin):
     def step(self) -> list[StepOutput]:
         """Schedule and launch one step; return the outputs of the step before it (async
         scheduling, engine/pipeline.py) or of this one (synchronous steps)."""
-        prev, self._inflight = self._inflight, None
-        if prev is not None:
-            self._expect(prev)
+        pipe = self.pipeline
+        prev = pipe.expect()
         batch = self.scheduler.schedule()
         self.last_step_tokens = sum(batch.num_new_tokens)
         dropped = self.scheduler.finished_in_schedule
-        cur = None
-        if not batch.is_empty:
-            cur = launch(self.runner, self.sampler, self.scheduler, batch, prev,
-                         self.config.async_scheduling)
-        outs = self._collect(prev) if prev is not None else []
+        cur = pipe.launch(batch, prev) if not batch.is_empty else None  # None if in flight
+        outs = pipe.collect(prev) if prev is not None else []
         outs += [self._overflowed(s) for s in dropped if self._is_live(s)]
         if cur is not None:
-            if cur.is_async:
-                self._inflight = cur
-            else:
-                outs += self._collect(cur)
+            outs += pipe.collect(cur)
         return outs
 
     def _is_live(self, seq: Sequence) -> bool:
         live = self._live.get(seq.request_id)
         return live is not None and live.seq is seq
-
-    def _expect(self, prev: InFlight) -> None:
-        """Before scheduling: the rows of ``prev`` still running will get a token."""
-        max_len = self.max_model_len
-        for seq in prev.seqs:
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # finished or aborted since: its token will be dropped
-            n = len(seq.token_ids) + 1
-            if n - seq.num_prompt_tokens >= self._live[seq.request_id].max_output \
-                    or n >= max_len:
-                self.scheduler.finish(seq, "length")  # certainly its last token
-            else:
-                seq.token_ids.append(PLACEHOLDER)
-                seq.num_pending_tokens = 1
-
-    def _collect(self, rec: InFlight) -> list[StepOutput]:
-        """Outputs of a launched step's tokens; rows no longer live are dropped."""
-        outs = []
-        get = self._live.get
-        lps = rec.logprobs or [None] * len(rec.seqs)
-        t0 = time.perf_counter()
-        ids = rec.token_ids()
-        self.device_wait_s += time.perf_counter() - t0
-        for seq, tok, lp in zip(rec.seqs, ids, lps, strict=True):
-            live = get(seq.request_id)
-            if live is not None and live.seq is seq:
-                outs.append(self._advance(live, tok, lp))
-        return outs
 
     def _overflowed(self, seq: Sequence) -> StepOutput:
         """A request the scheduler ended because it outgrew the whole KV cache."""
@@ -231,15 +200,10 @@ class LLMEngine(OfflineMixin):
                           seq.num_prompt_tokens, seq.num_output_tokens)
 
     def _advance(self, live: _Live, tok: int, lp: Any) -> StepOutput:
+        """Output of ``tok``, already the last of ``live.seq.token_ids`` (pipeline.collect):
+        stop checks, detokenization, finish."""
         seq, p = live.seq, live.seq.params
         toks = seq.token_ids
-        if seq.num_pending_tokens:  # fill the placeholder (pipeline.py)
-            toks[-1] = tok
-            seq.num_pending_tokens = 0
-            if len(toks) % self._block_size == 0:  # it completes a block: cache that now
-                self.block_manager.cache_resolved_block(seq)
-        else:
-            toks.append(tok)
         n_out = len(toks) - seq.num_prompt_tokens
         reason = None
         delta = ""
@@ -256,7 +220,7 @@ class LLMEngine(OfflineMixin):
         if reason is not None:
             if not by_string:  # release text held back as a possible stop-string prefix
                 delta += live.stream.finish()
-            self.scheduler.finish(seq, reason)  # a no-op if _expect finished it already
+            self.scheduler.finish(seq, reason)  # a no-op if pipeline.expect finished it
             seq.finish_reason = reason
             del self._live[seq.request_id]
         return StepOutput(seq.request_id, [tok], delta, reason is not None, reason,

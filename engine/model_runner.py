@@ -51,7 +51,6 @@ class ModelRunner:
         t0 = time.perf_counter()
         config.validate()
         self.config = config
-        self.block_size = config.block_size
         self.device = _pick_device(config.device)
         self.dtype = (_DTYPES[config.dtype] if config.dtype != "auto" else
                       torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -81,8 +80,7 @@ class ModelRunner:
             use_triton = self.device.type == "cuda" and ops.triton_available()
         ops.set_use_triton(use_triton)
 
-        self.inputs = InputBuilder(self.device, self.block_size, self.max_model_len,
-                                   2 * config.max_num_seqs)
+        self.inputs = InputBuilder(self.device, config, self.max_model_len)
         self.kv_cache: torch.Tensor | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded decode batch size -> graph
         self.num_kv_blocks = config.num_kv_blocks or self._profile_num_blocks()
@@ -90,6 +88,11 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and ops.use_triton():
             self.capture_cudagraphs()
         self.load_time_s = time.perf_counter() - t0
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block: the config's (the block manager is built from it too)."""
+        return self.config.block_size
 
     # ---- setup -------------------------------------------------------------------------
     def _max_model_len(self, model_cls) -> int:

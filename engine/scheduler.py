@@ -49,6 +49,8 @@ def _arrival_key(s: Sequence) -> int:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        # the scheduler reads block_size from the block manager only; the runner sizes the
+        # KV cache from config.block_size: both must describe the same cache
         if block_manager.block_size != config.block_size:
             raise ValueError(f"block manager block_size {block_manager.block_size} != "
                              f"config.block_size {config.block_size}")

@@ -6,12 +6,9 @@ request whose computed tokens equal its tokens after a step samples one new toke
 Prefill, chunked prefill, prefix-cache hits, decode and recompute after preemption are
 all the same loop.
 
-Async scheduling (engine/pipeline.py): while the step that sampled a sequence's newest
-token is still on the device, ``token_ids`` may end with ONE ``PLACEHOLDER`` entry and
-``num_pending_tokens == 1``; its value lives only in that step's device tensor. Counts
-(num_tokens, num_output_tokens) include it; nothing may read its value on the host (the
-block manager never hashes it, the runner feeds it from the device). It is always the
-last entry, and it is filled in before the engine publishes anything for the sequence.
+Async scheduling: while a step is in flight, ``token_ids`` may end with a placeholder for
+the token it sampled; engine/pipeline.py owns that rule and is the only code that reads
+or writes placeholders and ``num_pending_tokens``.
 """
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ from enum import Enum
 from engine.sampling_params import SamplingParams
 
 _arrival = itertools.count()
-PLACEHOLDER = -1  # token_ids entry of a sampled token not yet copied to the host
 
 
 class SeqStatus(Enum):
@@ -52,7 +48,7 @@ class Sequence:
     # tokens already produced before this Sequence existed (crash resume): they are part
     # of token_ids but count as output for max_tokens / penalties.
     num_resumed_output: int = 0
-    num_pending_tokens: int = 0  # 0 or 1: trailing PLACEHOLDER entries (see module doc)
+    num_pending_tokens: int = 0  # 0 or 1: trailing placeholders (engine/pipeline.py only)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from engine.sequence import PLACEHOLDER
+from engine.pipeline import PLACEHOLDER
 
 
 def make(folder, async_scheduling: bool, **cfg) -> LLMEngine:
@@ -118,7 +118,7 @@ def test_abort_while_a_step_is_in_flight(tiny_model_dir):
     for _ in range(5):
         for o in eng.step():
             seen[o.request_id] += len(o.new_token_ids)
-    assert eng._inflight is not None and seen["a"] == 4  # 5 steps launched, 4 collected
+    assert eng.pipeline.inflight is not None and seen["a"] == 4  # 5 steps launched, 4 collected
     used = eng.block_manager.num_blocks - eng.block_manager.num_free_blocks
     assert eng.abort_request("a")
     assert eng.block_manager.num_blocks - eng.block_manager.num_free_blocks < used  # at once
