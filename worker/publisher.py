@@ -168,10 +168,12 @@ class Publisher:
                calls: list, cancel_ids: list[str]) -> None:
         keys, argv = [], [self.s.out_maxlen, self.s.stream_idle_ttl_s]
         finals: list[Final] = []
+        published: list[str] = []  # job id of each event, in the script's KEYS order
         for kind, obj in order:
             if kind == "tok":
                 p = pending[obj]
                 job_id = obj[0]
+                published.append(job_id)
                 idx = self._next_index.get(job_id, 0)
                 self._next_index[job_id] = idx + 1
                 keys += [self.keys.job(job_id), self.keys.out(job_id)]
@@ -220,8 +222,8 @@ class Publisher:
                 log.error("publish_script_error", error=str(x))
         base = 1 if keys else 0
         if keys and isinstance(res[0], list):
-            for job_id in res[0][1]:
-                self.lost.put(job_id)
+            for pos in res[0][1]:
+                self.lost.put(published[int(pos)])
         for f, verdict in zip(finals, res[base:base + len(finals)], strict=True):
             self._next_index.pop(f.job_id, None)
             if f.on_done is not None:

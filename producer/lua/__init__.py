@@ -6,6 +6,11 @@ followed by ``<name>.lua``. The terminal set is generated from ``producer.schema
 so the scripts never restate it. Producers in other languages load the same text
 (docs/protocol.md); each file's header gives its KEYS, ARGV and reply.
 
+Key names come from KEYS, built by producer/keys.py, except where a script discovers job
+ids or models inside Redis (expire_unserved, served, queue_snapshot) or reads a job's
+model (cancel): there it appends them to the key base it is given in ARGV. Those keys
+share the base's hash tag, so they are in the declared keys' Redis Cluster slot.
+
 Producer scripts: submit, cancel, served, queue_snapshot. Worker scripts: start, publish,
 finish, reject, refresh, expire_unserved.
 """

@@ -1,7 +1,8 @@
 -- PUBLISH (worker): one call per publish round for every (job, choice) with new tokens.
 -- KEYS: job1, out1, job2, out2, ...   ARGV: maxlen, idle_ttl, then per event 8 values:
 -- attempt, index, delta, ids, logprobs-json-or-'', channel, choice-or-'', finish_reason-or-''.
--- Reply: {events written, job ids no longer ours (attempt moved on, or already terminal)}
+-- Reply: {events written, positions (0-based, in KEYS pairs) of the jobs no longer ours
+--         (attempt moved on, or already terminal)}
 local maxlen, ttl, n = ARGV[1], ARGV[2], #KEYS / 2
 local written, lost = 0, {}
 for j = 0, n - 1 do
@@ -28,7 +29,7 @@ for j = 0, n - 1 do
     end
     redis.call('EXPIRE', ok, ttl)
   else
-    lost[#lost + 1] = string.match(jk, ':job:(.*)$')
+    lost[#lost + 1] = j
   end
 end
 return {written, lost}
