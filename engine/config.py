@@ -25,6 +25,9 @@ class EngineConfig:
     load_format: str = "auto"
     # schedule and launch step N+1 before step N's tokens reach the host (engine/pipeline.py)
     async_scheduling: bool = True
+    # "priority": waiting requests by (priority, arrival); a waiting request may preempt a
+    # running one of lower priority for a seat or KV blocks. "fcfs": arrival order only.
+    scheduling_policy: str = "priority"
 
     def validate(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -46,5 +49,7 @@ class EngineConfig:
             raise ValueError("kv_cache_dtype must be 'auto' or 'fp8'")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError("load_format must be 'auto' or 'dummy'")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("dtype must be auto, float32, bfloat16 or float16")

@@ -12,7 +12,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import OutputStream
 from engine.model_runner import ModelRunner
@@ -50,9 +49,8 @@ class LLMEngine(OfflineMixin):
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self._fit_max_model_len()
         self.eos_token_ids = set(self.runner.eos_token_ids)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching, num_known_tokens)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler = Scheduler(self.config, self.runner.num_kv_blocks, num_known_tokens)
+        self.block_manager = self.scheduler.bm
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids, self.config.seed)
         self._live: dict[str, _Live] = {}
         self.pipeline = StepPipeline(self.runner, self.sampler, self.scheduler, self._live,

@@ -1,7 +1,8 @@
 """Continuous-batching scheduler (vLLM v1 style: one invariant, no prefill/decode phases).
 
 Public API:
-    Scheduler(config: EngineConfig, block_manager: BlockManager)
+    Scheduler(config: EngineConfig, num_blocks: int, num_known_tokens=None)
+    .bm: BlockManager                        # built here from config (its one block_size)
     .add(seq) -> None                        # ValueError if the prompt can never fit / dup id
     .abort(request_id: str) -> Sequence | None
     .schedule() -> ScheduledBatch
@@ -12,13 +13,18 @@ Public API:
     .finished_in_schedule: list[Sequence]    # finished by schedule() itself (KV cache overflow)
 
 One step: the token budget (max_num_batched_tokens) goes first to running requests in
-arrival order, each getting min(num_tokens - num_computed_tokens, budget left) tokens
-(chunked prefill and decode alike). If blocks run out, the victim - lowest priority, then
-latest arrival, among running requests, maybe the requester itself - is preempted by
+queue order, each getting min(num_tokens - num_computed_tokens, budget left) tokens
+(chunked prefill and decode alike). If blocks run out, the victim - the last request in
+queue order among running requests, maybe the requester itself - is preempted by
 recompute and put back in the waiting queue; a step that preempted admits nobody. Otherwise
-waiting requests are admitted in (-priority, arrival) order while budget, seats
-(max_num_seqs) and blocks allow; the first one that does not fit stops admission
-(head-of-line, so a big request is never starved by small ones).
+waiting requests are admitted in queue order while budget, seats (max_num_seqs) and
+blocks allow; the first one that does not fit stops admission (head-of-line, so a big
+request is never starved by small ones).
+
+Queue order is the policy (config.scheduling_policy): "fcfs" = arrival; "priority" =
+(-priority, arrival), and a waiting request that finds no seat or no blocks preempts the
+running request last in queue order if that one has a strictly lower priority (as vLLM's
+priority policy does): an interactive job displaces a batch job instead of waiting for it.
 
 Call order per step: schedule() -> run the model -> update_after_step() -> append the
 sampled tokens -> finish()/abort(). finish/abort must not run between schedule() and
@@ -29,6 +35,7 @@ and the sampled tokens arrive one call later (as placeholders meanwhile).
 from __future__ import annotations
 
 from bisect import insort_left, insort_right
+from collections.abc import Callable
 
 from engine.batch import ScheduledBatch
 from engine.block_manager import BlockManager
@@ -39,7 +46,7 @@ RUNNING = SeqStatus.RUNNING
 
 
 def _priority_key(s: Sequence) -> tuple[int, int]:
-    """Waiting queue order (ascending); max() over running = the preemption victim."""
+    """Queue order of the priority policy (ascending); max() over running = the victim."""
     return (-s.priority, s.arrival)
 
 
@@ -48,18 +55,20 @@ def _arrival_key(s: Sequence) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
-        # the scheduler reads block_size from the block manager only; the runner sizes the
-        # KV cache from config.block_size: both must describe the same cache
-        if block_manager.block_size != config.block_size:
-            raise ValueError(f"block manager block_size {block_manager.block_size} != "
-                             f"config.block_size {config.block_size}")
+    def __init__(self, config: EngineConfig, num_blocks: int,
+                 num_known_tokens: Callable[[Sequence], int] | None = None) -> None:
+        """``num_known_tokens``: see BlockManager (async scheduling's placeholders)."""
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.config = config
-        self.bm = block_manager
-        self.waiting: list[Sequence] = []  # sorted by (-priority, arrival)
-        self.running: list[Sequence] = []  # sorted by arrival
+        # the block manager takes block_size from the config, as the runner that sizes the
+        # KV cache does: one source
+        self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                               num_known_tokens)
+        self.by_priority = config.scheduling_policy == "priority"
+        self._key = _priority_key if self.by_priority else _arrival_key  # queue order
+        self.waiting: list[Sequence] = []  # in queue order
+        self.running: list[Sequence] = []  # in queue order
         self.requests: dict[str, Sequence] = {}  # every unfinished request
         self.num_preemptions_total = 0
         self.finished_in_schedule: list[Sequence] = []
@@ -105,7 +114,7 @@ class Scheduler:
                 f"{self.bm.capacity_tokens} tokens, one is kept for the first output token)")
         seq.status = SeqStatus.WAITING
         self.requests[seq.request_id] = seq
-        insort_right(self.waiting, seq, key=_priority_key)
+        insort_right(self.waiting, seq, key=self._key)
 
     def _remove(self, seq: Sequence, reason: str) -> None:
         if seq in self.running:
@@ -146,7 +155,7 @@ class Scheduler:
         victim.status = SeqStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
-        insort_left(self.waiting, victim, key=_priority_key)  # ahead of later arrivals
+        insort_left(self.waiting, victim, key=self._key)  # ahead of later arrivals
         batch.preempted.append(victim)
         return refund
 
@@ -179,7 +188,7 @@ class Scheduler:
             if n <= 0 or (n < left and not chunked):
                 continue
             while not allocate(seq, n):
-                victim = max(self.running, key=_priority_key)
+                victim = self.running[-1]
                 budget += self._preempt(victim, batch)
                 if victim is seq:
                     break
@@ -188,10 +197,16 @@ class Scheduler:
                 counts.append(n)
                 budget -= n
 
-        while not batch.preempted and self.waiting and budget > 0 and \
-                len(self.running) < cfg.max_num_seqs:
+        # a step whose running requests ran short of blocks admits nobody (it would thrash)
+        kv_short = bool(batch.preempted)
+        while not kv_short and self.waiting and budget > 0:
             seq = self.waiting[0]
             if self._drop_overflow(seq):
+                continue
+            if len(self.running) >= cfg.max_num_seqs:
+                if not self._outranks(seq):
+                    break
+                budget += self._preempt(self.running[-1], batch)
                 continue
             computed, num_hit = bm.get_computed_blocks(seq)
             n = seq.num_tokens - num_hit
@@ -200,14 +215,22 @@ class Scheduler:
                     break
                 n = budget
             if not bm.allocate_slots(seq, n, computed):
-                break
+                if not self._outranks(seq):
+                    break
+                budget += self._preempt(self.running[-1], batch)
+                continue  # look up the prefix again: the victim's blocks were freed
             self.waiting.pop(0)
             seq.status = SeqStatus.RUNNING
-            insort_right(self.running, seq, key=_arrival_key)
+            insort_right(self.running, seq, key=self._key)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def _outranks(self, seq: Sequence) -> bool:
+        """Priority policy: may waiting ``seq`` preempt the last running request?"""
+        return self.by_priority and bool(self.running) and \
+            self.running[-1].priority < seq.priority
 
     def update_after_step(self, batch: ScheduledBatch) -> list[Sequence]:
         """Advance num_computed_tokens by what ran; returns the sequences that sample now

@@ -8,7 +8,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.batch import ScheduledBatch
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -17,12 +16,13 @@ from engine.sequence import SeqStatus, Sequence
 _ids = itertools.count()
 
 
-def make(num_blocks=16, bs=4, budget=64, max_seqs=8, chunked=True, prefix=True):
+def make(num_blocks=16, bs=4, budget=64, max_seqs=8, chunked=True, prefix=True,
+         policy="priority"):
     cfg = EngineConfig(block_size=bs, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                        num_kv_blocks=num_blocks, enable_chunked_prefill=chunked,
-                       enable_prefix_caching=prefix)
-    bm = BlockManager(num_blocks, bs, prefix)
-    return Scheduler(cfg, bm), bm
+                       enable_prefix_caching=prefix, scheduling_policy=policy)
+    sched = Scheduler(cfg, num_blocks)
+    return sched, sched.bm
 
 
 def req(sched: Scheduler, tokens, max_tokens=4, priority=0) -> Sequence:
@@ -148,25 +148,25 @@ def test_victim_is_lowest_priority_then_latest_arrival():
     c = req(sched, range(20, 24), priority=0)
     run_step(sched)  # admitted by priority: b, a, c
     assert (b.block_table, a.block_table, c.block_table) == ([0], [1], [2])
-    assert sched.running == [a, b, c]  # running order is arrival order
+    assert sched.running == [b, a, c]  # running order is queue order too
     batch = run_step(sched)
-    assert batch.preempted == [c] and scheduled(batch) == [(a, 1), (b, 1)]
-    assert a.block_table == [1, 3] and b.block_table == [0, 2]
+    assert batch.preempted == [c] and scheduled(batch) == [(b, 1), (a, 1)]
+    assert b.block_table == [0, 3] and a.block_table == [1, 2]
     batch = run_step(sched)  # a, b both fit (5, 6 tokens in 2 blocks)
-    assert batch.preempted == [] and scheduled(batch) == [(a, 1), (b, 1)]
+    assert batch.preempted == [] and scheduled(batch) == [(b, 1), (a, 1)]
 
 
 def test_preempting_an_already_scheduled_request_refunds_and_uncaches():
     sched, bm = make(num_blocks=3, budget=7)
     a = req(sched, range(8), priority=0)
-    b = req(sched, range(10, 14), priority=1)
-    assert scheduled(run_step(sched)) == [(b, 4), (a, 3)]
-    assert (b.block_table, a.block_table) == ([0], [1])
-    batch = run_step(sched)  # a: 5 more tokens, blocks 1, 2 full -> registered; b: no block
-    assert batch.preempted == [a] and scheduled(batch) == [(b, 1)]  # a's 5 tokens refunded
-    assert a.num_computed_tokens == 0 and b.block_table == [0, 2]
-    assert len(a.block_hashes) == 2 and not set(a.block_hashes) & set(bm.cached)  # never written
-    assert bm.free_block_ids() == [1]
+    assert scheduled(run_step(sched)) == [(a, 7)] and a.block_table == [0, 1]
+    b = req(sched, range(10, 17), priority=1)  # needs 2 blocks, 1 free
+    batch = run_step(sched)  # a is scheduled its 8th token (fills block 1), then displaced
+    assert batch.preempted == [a] and scheduled(batch) == [(b, 7)]  # a's token refunded
+    assert a.num_computed_tokens == 0 and b.block_table == [2, 1]
+    assert len(a.block_hashes) == 2 and a.block_hashes[0] in bm.cached  # written in step 1
+    assert a.block_hashes[1] not in bm.cached  # never written
+    assert bm.free_block_ids() == [0]
 
 
 def test_budget_of_a_preempted_scheduled_victim_goes_to_later_requests():
@@ -229,6 +229,41 @@ def test_waiting_order_is_priority_then_arrival():
     assert scheduled(run_step(sched)) == [(low, 2)]
 
 
+def test_fcfs_policy_ignores_priority():
+    sched, bm = make(max_seqs=1, policy="fcfs")
+    low = req(sched, [1, 2], max_tokens=2)
+    assert scheduled(run_step(sched)) == [(low, 2)]
+    high = req(sched, [3, 4], max_tokens=1, priority=2)
+    assert scheduled(run_step(sched)) == [(low, 1)]  # no seat: high waits, low runs on
+    assert scheduled(run_step(sched)) == [(high, 2)]
+
+
+def test_higher_priority_takes_a_seat_from_a_running_lower_one():
+    sched, bm = make(max_seqs=2)
+    low1 = req(sched, [1, 2], max_tokens=8)
+    low2 = req(sched, [3, 4], max_tokens=8)
+    run_step(sched)
+    high = req(sched, [5, 6], max_tokens=2, priority=3)
+    peer = req(sched, [7, 8], max_tokens=2)  # same priority as the running ones: waits
+    batch = run_step(sched)
+    assert batch.preempted == [low2] and low2.status is SeqStatus.PREEMPTED
+    assert scheduled(batch) == [(low1, 1), (high, 2)]  # low2's decode token refunded
+    assert sched.waiting == [low2, peer]  # the victim goes back ahead of later arrivals
+    run_step(sched)
+    assert high.is_finished and scheduled(run_step(sched))[1] == (low2, 3)  # recomputed
+
+
+def test_higher_priority_takes_kv_blocks_from_a_running_lower_one():
+    sched, bm = make(num_blocks=4, max_seqs=4)
+    low = req(sched, range(12), max_tokens=8)  # 3 of the 4 blocks, one more to decode
+    run_step(sched)
+    high = req(sched, range(100, 108), max_tokens=1, priority=1)  # needs 2 blocks, 1 free
+    batch = run_step(sched)
+    assert batch.preempted == [low] and scheduled(batch) == [(high, 8)]
+    equal = req(sched, range(200, 208), max_tokens=1, priority=1)  # equal: never displaces
+    assert sched.waiting == [equal, low] or sched.waiting == [low, equal]
+
+
 def test_add_rejects_prompts_that_can_never_fit():
     sched, bm = make(num_blocks=2, bs=4)
     with pytest.raises(ValueError, match="cannot fit in the KV cache"):
@@ -236,8 +271,7 @@ def test_add_rejects_prompts_that_can_never_fit():
     s = req(sched, range(7))
     with pytest.raises(ValueError, match="already scheduled"):
         sched.add(s)
-    with pytest.raises(ValueError, match="block_size"):
-        Scheduler(EngineConfig(block_size=16), bm)
+    assert bm.block_size == sched.config.block_size  # built from the config: one source
 
 
 def test_request_outgrowing_the_whole_cache_finishes_with_length():
@@ -266,11 +300,13 @@ def test_can_admit():
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 14), st.integers(1, 6),
                                st.integers(0, 2)), min_size=1, max_size=8),
-       num_blocks=st.integers(5, 12), budget=st.integers(4, 16), chunked=st.booleans())
-def test_random_workloads_all_finish(reqs, num_blocks, budget, chunked):
+       num_blocks=st.integers(5, 12), budget=st.integers(4, 16), chunked=st.booleans(),
+       policy=st.sampled_from(["fcfs", "priority"]))
+def test_random_workloads_all_finish(reqs, num_blocks, budget, chunked, policy):
     if not chunked:  # like EngineConfig.validate: the budget must hold the longest request
         budget = num_blocks * 4
-    sched, bm = make(num_blocks=num_blocks, budget=budget, max_seqs=4, chunked=chunked)
+    sched, bm = make(num_blocks=num_blocks, budget=budget, max_seqs=4, chunked=chunked,
+                     policy=policy)
     seqs = [req(sched, [p] * 4 + list(range(n)), max_tokens=m, priority=pr)
             for p, n, m, pr in reqs if 4 + n + 1 <= bm.capacity_tokens]
     for _ in range(500):
