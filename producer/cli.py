@@ -142,6 +142,7 @@ def _report(job_id: str, status: Status, error: str, reason: str) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.text == "-" else args.text
     body = {"messages": [{"role": "user", "content": text}]} if args.chat else {"prompt": text}
+    body.update({k: v for k in ("lane", "priority") if (v := getattr(args, k)) is not None})
     with _client(args) as c:
         job_id = c.submit(**body, max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
@@ -224,6 +225,12 @@ def register(subparsers: argparse._SubParsersAction,
                    help="sampling seed of this job (default: none, the worker's noise stream)")
     p.add_argument("--stop", action="append", metavar="STR",
                    help="stop string, repeatable (default: none)")
+    p.add_argument("--lane", metavar="LANE",
+                   help="the lane (jobs stream) to queue on, one of $PAGEDQ_LANES; workers "
+                        "take from the higher lanes first (default: interactive)")
+    p.add_argument("--priority", type=int, metavar="N",
+                   help="order inside a worker's batch, -1000..1000, higher first "
+                        f"(default: {req['priority'].default})")
     p.add_argument("--id", help="job id (default: a new uuid4 hex); resubmitting is idempotent")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", action="store_true",
@@ -253,6 +260,8 @@ def register(subparsers: argparse._SubParsersAction,
                       "(cancelled, or running until it stops); exit 1 if it had already ended")
     p.add_argument("id", metavar="ID")
     p.set_defaults(func=_guarded(cmd_cancel))
+    from .batch.cli import register as register_batch  # `pagedq batch ...` (docs/batches.md)
+    register_batch(subparsers, parents)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,8 +1,8 @@
 """The queue counters' invariant, checked in one atomic snapshot.
 
-``{P}:qjobs:{model}`` must equal the number of jobs in the model's jobs stream whose record
-is ``queued`` and was counted (not ``raw``), and ``{P}:qtokens:{model}`` the sum of their
-``qtok``. Every path that moves a job out of ``queued`` (worker start, cancel, reject,
+For each lane, ``{P}:qjobs:{model}:{lane}`` must equal the number of jobs in the lane's jobs
+stream whose record is ``queued`` and was counted (not ``raw``), and
+``{P}:qtokens:{model}:{lane}`` the sum of their ``qtok``. Every path that moves a job out of ``queued`` (worker start, cancel, reject,
 expiry) keeps it; tests call ``queue_counters`` after every kind of traffic.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import lua
-from .keys import Keys
+from .keys import DEFAULT_LANE, Keys
 
 SNAPSHOT_LUA = lua.source("queue_snapshot")
 
@@ -29,10 +29,10 @@ class QueueCounters:
                                                           self.expected_tokens)
 
 
-def queue_counters(r: Any, keys: Keys, model: str) -> QueueCounters:
-    """One atomic snapshot of a model's queue counters and what they should be (sync
+def queue_counters(r: Any, keys: Keys, model: str, lane: str = DEFAULT_LANE) -> QueueCounters:
+    """One atomic snapshot of a lane's queue counters and what they should be (sync
     redis client)."""
-    jobs, tokens, qjobs, qtokens = r.eval(SNAPSHOT_LUA, 3, keys.jobs(model),
-                                          keys.queued_tokens(model), keys.queued_jobs(model),
-                                          keys.base)
+    jobs, tokens, qjobs, qtokens = r.eval(SNAPSHOT_LUA, 3, keys.jobs(model, lane),
+                                          keys.queued_tokens(model, lane),
+                                          keys.queued_jobs(model, lane), keys.base)
     return QueueCounters(int(qjobs), int(qtokens), int(jobs), int(tokens))

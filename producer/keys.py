@@ -12,6 +12,10 @@ import re
 from dataclasses import dataclass
 
 GROUP = "workers"  # the consumer group on every jobs stream
+# A lane is one jobs stream of a model (interactive, batch, or any priority class); workers
+# take from the lanes in the order their settings list them (docs/design.md "Lanes").
+DEFAULT_LANE = "interactive"
+LANE_RE = re.compile(r"^[a-z0-9_\-]{1,32}$")
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
@@ -22,6 +26,12 @@ def check_name(kind: str, value: str) -> str:
     if not isinstance(value, str) or not _NAME_RE.match(value):
         raise ValueError(f"invalid {kind} {value!r}: use 1-128 of [A-Za-z0-9_.-]")
     return value
+
+
+def check_lane(lane: str) -> str:
+    if not isinstance(lane, str) or not LANE_RE.match(lane):
+        raise ValueError(f"invalid lane {lane!r}: use 1-32 of [a-z0-9_-]")
+    return lane
 
 
 def check_job_id(job_id: str) -> str:
@@ -41,11 +51,12 @@ class Keys:
     def base(self) -> str:
         return "{" + self.prefix + "}"
 
-    def jobs(self, model: str) -> str:
-        return f"{self.base}:jobs:{model}"
+    def jobs(self, model: str, lane: str = DEFAULT_LANE) -> str:
+        """The jobs stream of one lane of a model."""
+        return f"{self.base}:jobs:{model}:{lane}"
 
-    def dlq(self, model: str) -> str:
-        return f"{self.base}:dlq:{model}"
+    def dlq(self, model: str, lane: str = DEFAULT_LANE) -> str:
+        return f"{self.base}:dlq:{model}:{lane}"
 
     def job(self, job_id: str) -> str:
         return f"{self.base}:job:{job_id}"
@@ -78,13 +89,37 @@ class Keys:
         """Set of the model names jobs were ever submitted for (the expiry sweep's list)."""
         return f"{self.base}:models"
 
-    def queued_tokens(self, model: str) -> str:
-        """Approximate prompt+max tokens of jobs queued but not started (backpressure)."""
-        return f"{self.base}:qtokens:{model}"
+    def queued_tokens(self, model: str, lane: str = DEFAULT_LANE) -> str:
+        """Approximate prompt+max tokens of a lane's jobs queued but not started
+        (backpressure)."""
+        return f"{self.queued_tokens_prefix}{model}:{lane}"
 
-    def queued_jobs(self, model: str) -> str:
-        """Exact count of jobs submitted and not yet taken out of 'queued' (backpressure)."""
-        return f"{self.base}:qjobs:{model}"
+    def queued_jobs(self, model: str, lane: str = DEFAULT_LANE) -> str:
+        """Exact count of a lane's jobs submitted and not yet taken out of 'queued'."""
+        return f"{self.queued_jobs_prefix}{model}:{lane}"
+
+    @property
+    def queued_tokens_prefix(self) -> str:
+        """What CANCEL appends '<model>:<lane>' to (it reads them from the job's record)."""
+        return f"{self.base}:qtokens:"
+
+    @property
+    def queued_jobs_prefix(self) -> str:
+        return f"{self.base}:qjobs:"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: a bulk batch's record (status, request_counts, timestamps, files)."""
+        return f"{self.base}:batch:{batch_id}"
+
+    def batch_done(self, batch_id: str) -> str:
+        """List: ``item`` of each of the batch's jobs as it ends (pushed by the script that
+        makes it terminal; drained by the batch collector)."""
+        return f"{self.base}:batchdone:{batch_id}"
+
+    @property
+    def batches(self) -> str:
+        """Sorted set of batch ids scored by creation time."""
+        return f"{self.base}:batches"
 
 
 def out_entry_id(index: int) -> str:

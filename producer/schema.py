@@ -167,6 +167,9 @@ class JobRequest(BaseModel):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
+    # The lane (jobs stream) the job rides; unset = "interactive". Workers take from the
+    # higher lanes first (docs/design.md "Lanes"); priority orders jobs inside a worker.
+    lane: Annotated[str, Field(pattern=r"^[a-z0-9_\-]{1,32}$")] | None = None
     # Seconds from submission until the job must be done (queue wait + generation).
     timeout_s: Annotated[float, Field(gt=0.0, le=7 * 86400)] | None = None
     metadata: dict[Annotated[Text, Field(max_length=256)],

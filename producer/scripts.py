@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from . import lua
 from .errors import InvalidRequest, JobConflict, JobNotFound, NoWorker, Overloaded
-from .keys import GROUP, Keys, check_job_id
+from .keys import DEFAULT_LANE, GROUP, Keys, check_job_id
 from .schema import SCHEMA_VERSION, JobRequest, describe
 from .settings import Settings
 
@@ -65,20 +65,36 @@ def queued_tokens_of(req: JobRequest) -> int:
     return chars // 4 + req.max_tokens
 
 
-def submit_call(keys: Keys, req: JobRequest, settings: Settings,
-                require_worker: bool = False) -> tuple[list[str], list[str]]:
-    """KEYS and ARGV of SUBMIT_LUA for a validated request that has an id."""
+def lane_of(req: JobRequest, settings: Settings) -> str:
+    """The request's lane; InvalidRequest unless the deployment has it (settings.lanes):
+    a job on a lane no worker reads would wait for ever."""
+    lane = req.lane or DEFAULT_LANE
+    if lane not in settings.lanes:
+        raise InvalidRequest(f"lane {lane!r} is not one of this deployment's lanes "
+                             f"({','.join(settings.lanes)}; PAGEDQ_LANES)")
+    return lane
+
+
+def submit_call(keys: Keys, req: JobRequest, settings: Settings, require_worker: bool = False,
+                batch: tuple[str, str] | None = None) -> tuple[list[str], list[str]]:
+    """KEYS and ARGV of SUBMIT_LUA for a validated request that has an id. ``batch`` =
+    (batch id, item): the job counts itself on that batch's record as it ends and pushes
+    ``item`` on the batch's done list (producer/lua/common.lua, count_in_batch)."""
     if req.id is None:
         raise ValueError("submit_call needs a request with an id")
+    lane = lane_of(req, settings)
     body = req.body_json()
-    return (
-        [keys.job(req.id), keys.jobs(req.model), keys.queued_tokens(req.model), keys.out(req.id),
-         keys.queued_jobs(req.model), keys.serving(req.model), keys.models],
-        [req.id, body, req_hash(body), req.model, str(queued_tokens_of(req)),
-         "" if req.timeout_s is None else str(float(req.timeout_s)),
-         str(settings.max_queued_jobs), str(settings.max_queued_tokens), GROUP,
-         str(SCHEMA_VERSION), "1" if require_worker else "0"],
-    )
+    m = req.model
+    ks = [keys.job(req.id), keys.jobs(m, lane), keys.queued_tokens(m, lane), keys.out(req.id),
+          keys.queued_jobs(m, lane), keys.serving(m), keys.models]
+    args = [req.id, body, req_hash(body), m, str(queued_tokens_of(req)),
+            "" if req.timeout_s is None else str(float(req.timeout_s)),
+            str(settings.max_queued_jobs), str(settings.max_queued_tokens), GROUP,
+            str(SCHEMA_VERSION), "1" if require_worker else "0", lane]
+    if batch is not None:
+        ks += [keys.batch(batch[0]), keys.batch_done(batch[0])]
+        args.append(batch[1])
+    return ks, args
 
 
 def check_submit_reply(reply: Any, job_id: str) -> str:
@@ -100,8 +116,8 @@ def check_submit_reply(reply: Any, job_id: str) -> str:
 
 def cancel_call(keys: Keys, job_id: str, settings: Settings) -> tuple[list[str], list[str]]:
     return ([keys.job(job_id), keys.out(job_id), keys.cancel],
-            [job_id, str(settings.result_ttl_s), keys.chan(job_id), keys.queued_tokens(""),
-             keys.queued_jobs("")])
+            [job_id, str(settings.result_ttl_s), keys.chan(job_id), keys.queued_tokens_prefix,
+             keys.queued_jobs_prefix])
 
 
 def check_cancel_reply(reply: Any, job_id: str) -> bool:

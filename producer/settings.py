@@ -6,8 +6,12 @@ maps PAGEDQ_ENGINE_* style CLI flags onto it.
 """
 from __future__ import annotations
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from .keys import check_lane
 
 
 class Settings(BaseSettings):
@@ -16,6 +20,14 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     prefix: str = "pagedq"
     model: str = "smollm2"  # served model name = jobs stream name
+
+    # lanes: the jobs streams of a model, highest first (comma-separated in the environment:
+    # PAGEDQ_LANES=urgent,interactive,batch). A worker fills free seats from the highest lane
+    # with work; a lower lane only gets what the higher ones leave, except that each lane
+    # below the first keeps at least lane_min_share of a worker's seats while it has work,
+    # so its oldest job waits a bounded time (docs/design.md "Lanes").
+    lanes: Annotated[tuple[str, ...], NoDecode] = ("interactive", "batch")
+    lane_min_share: float = Field(0.1, ge=0, le=0.5)
 
     # clients: each concurrent stream()/result() wait holds one connection; past this many
     # a call waits for a free connection (redis-py's own default, 100, raises instead)
@@ -65,3 +77,14 @@ class Settings(BaseSettings):
     max_prefill_s: float = Field(0.0, ge=0)
     metrics_port: int = Field(0, ge=0)  # 0 = no HTTP metrics endpoint
     metrics_host: str = "127.0.0.1"  # address the metrics endpoint binds (0.0.0.0 = all)
+
+    @field_validator("lanes", mode="before")
+    @classmethod
+    def _lanes(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = tuple(x.strip() for x in v.split(",") if x.strip())
+        if not isinstance(v, list | tuple) or not v:
+            raise ValueError("lanes must name at least one lane")
+        if len(set(v)) != len(v):
+            raise ValueError(f"lanes must be distinct: {','.join(v)}")
+        return tuple(check_lane(x) for x in v)

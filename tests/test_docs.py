@@ -216,15 +216,16 @@ class DocClient:
         return f"{self.base}:{kind}:{name}" if name else f"{self.base}:{kind}"
 
     def submit(self, job_id: str, prompt: str, *, model: str = MODEL, require_worker: bool,
-               **params) -> list[str]:
+               lane: str = "interactive", **params) -> list[str]:
         body = json.dumps({"id": job_id, "model": model, "prompt": prompt, **params})
         max_tokens = params.get("max_tokens", 128)
-        keys = [self.key("job", job_id), self.key("jobs", model), self.key("qtokens", model),
-                self.key("out", job_id), self.key("qjobs", model), self.key("serving", model),
+        ml = f"{model}:{lane}"
+        keys = [self.key("job", job_id), self.key("jobs", ml), self.key("qtokens", ml),
+                self.key("out", job_id), self.key("qjobs", ml), self.key("serving", model),
                 self.key("models")]
         argv = [job_id, body, hashlib.sha256(body.encode()).hexdigest(), model,
                 len(prompt) // 4 + max_tokens, "", 0, 0, "workers", 1,
-                1 if require_worker else 0]
+                1 if require_worker else 0, lane]
         return self.r.eval(self.submit_lua, len(keys), *keys, *argv)
 
     def cancel(self, job_id: str) -> str:
@@ -311,8 +312,8 @@ def test_client_written_from_the_protocol_doc(service):
     assert text and int(a_rec["completion_tokens"]) == 32
     assert c.r.ttl(c.key("job", a)) > 0 and c.r.ttl(c.key("out", a)) > 0
     for model in (MODEL,):  # nothing left counted as queued
-        assert int(c.r.get(c.key("qjobs", model)) or 0) == 0
-        assert int(c.r.get(c.key("qtokens", model)) or 0) == 0
+        assert int(c.r.get(c.key("qjobs", model + ":interactive")) or 0) == 0
+        assert int(c.r.get(c.key("qtokens", model + ":interactive")) or 0) == 0
     c.r.close()
 
 
@@ -325,8 +326,8 @@ def test_client_from_the_doc_cancels_a_queued_job_and_is_refused_without_a_worke
     assert not c.r.exists(c.key("job", job))
     assert c.submit(job, "Hello there.", model="nobody", max_tokens=8,
                     require_worker=False)[0] == "queued"
-    assert c.r.get(c.key("qjobs", "nobody")) == "1"
-    assert c.r.get(c.key("qtokens", "nobody")) == str(len("Hello there.") // 4 + 8)
+    assert c.r.get(c.key("qjobs", "nobody:interactive")) == "1"
+    assert c.r.get(c.key("qtokens", "nobody:interactive")) == str(len("Hello there.") // 4 + 8)
     other_body = c.submit(job, "Hello here.", model="nobody", max_tokens=8,
                           require_worker=False)
     assert other_body == ["conflict", ""]
@@ -336,7 +337,8 @@ def test_client_from_the_doc_cancels_a_queued_job_and_is_refused_without_a_worke
                        "text": "", "err": "", "pt": "0", "ct": "0"}]
     rec = c.r.hgetall(c.key("job", job))
     assert rec["status"] == "cancelled" and rec["finish_reason"] == "cancelled"
-    assert c.r.get(c.key("qjobs", "nobody")) == "0" and c.r.get(c.key("qtokens", "nobody")) == "0"
+    assert c.r.get(c.key("qjobs", "nobody:interactive")) == "0"
+    assert c.r.get(c.key("qtokens", "nobody:interactive")) == "0"
     assert c.cancel(job) == "terminal" and c.cancel("never-submitted") == "missing"
     bad = c.submit("bad{id}", "Hi.", max_tokens=8, require_worker=False)
     assert bad[0] == "invalid"

@@ -146,18 +146,21 @@ def test_metrics_endpoint_and_json_logs_without_prompts(service):
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
                    if line and not line.startswith("#")}
-        if "pagedq:stream_length" in samples or time.time() > deadline:
+        if 'pagedq:stream_length{lane="batch"}' in samples or time.time() > deadline:
             break
         time.sleep(0.5)
     for name in ("pagedq:num_requests_running", "pagedq:num_requests_waiting",
                  "pagedq:kv_cache_usage_perc", "pagedq:num_preemptions_total",
-                 "pagedq:pending_count", "pagedq:oldest_pending_age_seconds", "pagedq:dlq_size",
-                 "pagedq:reclaims_total", "pagedq:stream_length"):
+                 "pagedq:reclaims_total"):
         assert name in samples, name
+    for lane in ("interactive", "batch"):  # the queue gauges, one per lane
+        for name in ("pending_count", "oldest_pending_age_seconds", "dlq_size", "stream_length"):
+            assert f'pagedq:{name}{{lane="{lane}"}}' in samples, (name, lane)
     assert samples["pagedq:generation_tokens_total"] >= 5
     assert samples["pagedq:prompt_tokens_total"] > 0
-    assert samples["pagedq:time_to_first_token_seconds_count"] >= 1
+    assert samples['pagedq:time_to_first_token_seconds_count{lane="interactive"}'] >= 1
     assert samples["pagedq:e2e_request_latency_seconds_count"] >= 1
+    assert samples['pagedq:request_queue_time_seconds_count{lane="interactive"}'] >= 1
     assert samples["pagedq:inter_token_latency_seconds_count"] >= 4
     log = w.log(tail=None)
     assert secret not in log, "prompts must never be logged"

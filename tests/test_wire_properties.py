@@ -17,12 +17,13 @@ from hypothesis import strategies as st
 from producer import Client
 from producer.errors import InvalidRequest
 from producer.invariants import queue_counters
-from producer.keys import GROUP
+from producer.keys import GROUP, LANE_RE
 from producer.schema import FinalEvent, JobRequest, TokenEvent
-from producer.scripts import SUBMIT_LUA
+from producer.scripts import SUBMIT_LUA, submit_call
 from tests.worker_proc import WorkerProc
 
 MODEL = "smollm2"
+LANES = ("interactive", "batch")
 VOCAB = 49152
 PROPS = settings(max_examples=6, deadline=None, derandomize=True,
                  suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -42,16 +43,18 @@ def svc(shared_redis_server):
 
 
 def settle(c: Client, timeout: float = 120.0) -> None:
-    """Wait until the queue is drained, then check the counters and their invariant."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        snap = queue_counters(c.redis, c.keys, MODEL)
-        pending = c.redis.xpending(c.keys.jobs(MODEL), GROUP)["pending"]
-        if snap.queued_jobs == 0 and pending == 0 and c.redis.xlen(c.keys.jobs(MODEL)) == 0:
-            break
-        time.sleep(0.1)
-    snap = queue_counters(c.redis, c.keys, MODEL)
-    assert snap.ok and snap.queued_jobs == 0 and snap.queued_tokens == 0, snap
+    """Wait until every lane is drained, then check the counters and their invariant."""
+    for lane in LANES:
+        deadline = time.monotonic() + timeout
+        stream = c.keys.jobs(MODEL, lane)
+        while time.monotonic() < deadline:
+            snap = queue_counters(c.redis, c.keys, MODEL, lane)
+            pending = c.redis.xpending(stream, GROUP)["pending"]
+            if snap.queued_jobs == 0 and pending == 0 and c.redis.xlen(stream) == 0:
+                break
+            time.sleep(0.1)
+        snap = queue_counters(c.redis, c.keys, MODEL, lane)
+        assert snap.ok and snap.queued_jobs == 0 and snap.queued_tokens == 0, (lane, snap)
 
 
 # ---- valid requests: every field -----------------------------------------------------
@@ -83,6 +86,7 @@ optional = {
     "seed": st.integers(0, 2**63 - 1),
     "ignore_eos": st.booleans(),
     "priority": st.integers(-1000, 1000),
+    "lane": st.sampled_from(LANES),
     "timeout_s": st.floats(120.0, 600.0),
     "metadata": st.dictionaries(st.text(min_size=1, max_size=8).filter(str.isprintable),
                                 st.text(max_size=8).filter(str.isprintable), max_size=3),
@@ -158,14 +162,16 @@ def test_random_valid_requests_end_to_end(svc, bodies):
 # ---- invalid input: raw entries and raw script calls ---------------------------------
 
 def raw_submit(c: Client, job_id: str, body: str | bytes, *, qtok="10", model=MODEL,
-               timeout="", maxj="0", maxt="0", group=GROUP, version="1", keys=None):
+               timeout="", maxj="0", maxt="0", group=GROUP, version="1", lane="interactive",
+               keys=None, batch=()):
     body_b = body.encode() if isinstance(body, str) else body
-    k = keys or [c.keys.job(job_id), c.keys.jobs(model), c.keys.queued_tokens(model),
-                 c.keys.out(job_id), c.keys.queued_jobs(model), c.keys.serving(model),
+    kl = lane if LANE_RE.match(lane) else "interactive"  # keys of a lane that can exist
+    k = keys or [c.keys.job(job_id), c.keys.jobs(model, kl), c.keys.queued_tokens(model, kl),
+                 c.keys.out(job_id), c.keys.queued_jobs(model, kl), c.keys.serving(model),
                  c.keys.models]
-    return c.redis.eval(SUBMIT_LUA, len(k), *k, job_id, body_b,
-                        hashlib.sha256(body_b).hexdigest(), model, qtok, timeout, maxj, maxt,
-                        group, version, "0")
+    return c.redis.eval(SUBMIT_LUA, len(k) + len(batch) - bool(batch), *k, *batch[:-1], job_id,
+                        body_b, hashlib.sha256(body_b).hexdigest(), model, qtok, timeout, maxj,
+                        maxt, group, version, "0", lane, *batch[-1:])
 
 
 def good_body(job_id: str, **kw) -> str:
@@ -194,6 +200,7 @@ BAD_ENTRIES = {  # XADDed directly, bypassing the script
     "model differs": lambda j: {"job": j, "body": good_body(j).replace(MODEL, "other-model")},
     "job id not utf8": lambda j: {"job": b"\xc3\x28", "body": good_body(j)},
     "lone surrogate escape": lambda j: {"job": j, "body": good_body(j, prompt="\ud800")},
+    "lane differs": lambda j: {"job": j, "body": good_body(j, lane="batch")},
 }
 BAD_SCRIPT_ARGS = {
     "qtok not a number": dict(qtok="abc"),
@@ -207,6 +214,11 @@ BAD_SCRIPT_ARGS = {
     "model differs from body": dict(model="other-model"),
     "lone surrogate escape": dict(body=lambda j: good_body(j, prompt="\ud800")),
     "body not an object": dict(body=lambda j: "[1]"),
+    "bad lane": dict(lane="Not A Lane"),
+    "lane differs from body": dict(body=lambda j: good_body(j, lane="batch")),
+    "lane differs from keys": dict(lane="batch", keys_lane="interactive"),
+    "batch keys of two batches": dict(batch=("{p}:batch:b1", "{p}:batchdone:b2", "item")),
+    "batch without item": dict(batch=("{p}:batch:b1", "{p}:batchdone:b1", "")),
 }
 
 
@@ -234,6 +246,11 @@ def test_random_invalid_input_is_refused_or_dead_lettered(svc, data):
         j = f"ab-{tag}-{uuid.uuid4().hex[:8]}"
         kw = dict(BAD_SCRIPT_ARGS[name])
         body = kw.pop("body", good_body)(j)
+        if "keys_lane" in kw:
+            kl = kw.pop("keys_lane")
+            kw["keys"] = [c.keys.job(j), c.keys.jobs(MODEL, kl), c.keys.queued_tokens(MODEL, kl),
+                          c.keys.out(j), c.keys.queued_jobs(MODEL, kl), c.keys.serving(MODEL),
+                          c.keys.models]
         reply = raw_submit(c, j, body, **kw)
         assert reply[0] == "invalid" and reply[1], (name, reply)
         assert not c.redis.exists(c.keys.job(j))
@@ -261,6 +278,28 @@ def test_random_invalid_input_is_refused_or_dead_lettered(svc, data):
     assert all(f.get(b"reason") and len(f.get(b"body", b"")) <= 4 * 4096 for _, f in dlq)
     assert not dlq or c.redis.ttl(c.keys.dlq(MODEL)) > 0
     assert w.proc.poll() is None, w.log()
+
+
+def test_jobs_of_a_batch_count_themselves_on_its_record_as_they_end(svc):
+    c, w = svc
+    bid = f"b{uuid.uuid4().hex[:8]}"
+    ok = [f"{bid}.{i}" for i in range(2)]
+    for j in ok:
+        keys, args = submit_call(c.keys, JobRequest(id=j, model=MODEL, prompt="Hi", max_tokens=2,
+                                                    lane="batch"), c.settings, batch=(bid, j))
+        assert c.redis.eval(SUBMIT_LUA, len(keys), *keys, *args)[0] == "queued"
+    bad = f"{bid}.bad"  # reaches the worker, which dead-letters it: failed
+    keys, args = submit_call(c.keys, JobRequest(id=bad, model=MODEL, prompt="Hi", lane="batch"),
+                             c.settings, batch=(bid, bad))
+    args[1] = good_body(bad, bogus=1, lane="batch")
+    args[2] = hashlib.sha256(args[1].encode()).hexdigest()
+    assert c.redis.eval(SUBMIT_LUA, len(keys), *keys, *args)[0] == "queued"
+    assert [c.result(j, timeout=120).status for j in ok + [bad]] == ["finished"] * 2 + ["failed"]
+    assert c.cancel(ok[0]) is False  # a second end is no end: counted once
+    rec = c.redis.hgetall(c.keys.batch(bid))
+    assert rec == {"completed": "2", "failed": "1", "n_finished": "2", "n_failed": "1"}, rec
+    assert sorted(c.redis.lrange(c.keys.batch_done(bid), 0, -1)) == sorted(ok + [bad])
+    settle(c)
 
 
 def test_client_refuses_what_the_wire_refuses(svc):

@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--metrics-host", default=None, metavar="HOST",
                    help="address the metrics endpoint listens on; 0.0.0.0 = every interface "
                         "(default: $PAGEDQ_METRICS_HOST or 127.0.0.1)")
+    w.add_argument("--lanes", default=None, metavar="A,B,...",
+                   help="the lanes (jobs streams) to serve, highest first "
+                        "(default: $PAGEDQ_LANES or interactive,batch)")
+    w.add_argument("--lane-min-share", type=float, default=None, metavar="F",
+                   help="seats each lower lane keeps while it has work, as a share of "
+                        "--max-num-seqs (default: $PAGEDQ_LANE_MIN_SHARE or 0.1)")
     w.set_defaults(func=cmd_worker)
 
     d = sub.add_parser("demo", help="embedded Redis + CPU worker + a few streamed jobs",
@@ -122,6 +128,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="fp8: float8_e4m3 KV cache, twice the tokens per GiB (accuracy: "
                         "docs/benchmarks.md) (default: %(default)s = the model dtype)")
+    p.add_argument("--scheduling-policy", default="priority", choices=["priority", "fcfs"],
+                   help="priority: higher lanes and priorities go first and may preempt "
+                        "lower ones; fcfs: arrival order (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None,
                    help="noise seed of jobs without their own seed (default: random per process, "
                         "so workers never share a noise stream)")
@@ -130,6 +139,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     kw = {"device": args.device, "dtype": args.dtype, "load_format": args.load_format,
           "kv_cache_dtype": args.kv_cache_dtype,
+          "scheduling_policy": getattr(args, "scheduling_policy", "priority"),
           "seed": args.seed if args.seed is not None else secrets.randbits(63)}
     for name in ENGINE_INT_OPTIONS:
         v = getattr(args, name)
@@ -150,6 +160,10 @@ def settings_from(args: argparse.Namespace):
         over["metrics_port"] = args.metrics_port
     if getattr(args, "metrics_host", None):
         over["metrics_host"] = args.metrics_host
+    if getattr(args, "lanes", None):
+        over["lanes"] = args.lanes
+    if getattr(args, "lane_min_share", None) is not None:
+        over["lane_min_share"] = args.lane_min_share
     if getattr(args, "model", None):
         over["model"] = served_name(args.model, getattr(args, "served_name", None))
     elif getattr(args, "served_name", None):
@@ -172,7 +186,8 @@ def _settings_error(e) -> ConfigError:
     for err in e.errors():
         name = str(err["loc"][0]) if err.get("loc") else "?"
         where = f"PAGEDQ_{name.upper()}"
-        if name in ("redis_url", "prefix", "metrics_port", "metrics_host", "model"):
+        if name in ("redis_url", "prefix", "metrics_port", "metrics_host", "model", "lanes",
+                    "lane_min_share"):
             where = f"--{name.replace('_', '-')} / {where}"
         parts.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
     return ConfigError("bad setting: " + "; ".join(parts))

@@ -8,6 +8,7 @@ one script (REJECT), so no entry is left pending by a live worker.
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -15,7 +16,7 @@ import redis
 
 from producer.keys import GROUP
 from producer.schema import FinishReason, JobRequest, Status, parse_event
-from worker import faults, lua
+from worker import faults, lanes, lua
 from worker.jobs import BadEntry, Job, WorkerIdentity, parse_entry, sampling_params
 from worker.metrics import Metrics
 from worker.pacing import StepPacer
@@ -32,90 +33,137 @@ class Intake:
         """``jobs``: the service's table of owned jobs (intake adds to it, and removes a
         job it dead-letters); ``end_job(job, status, reason, error="")``: how a job that
         ends at admission is finished (expired, replayed to its end, too slow)."""
-        self.r, self.keys, self.s = ident.r, ident.keys, ident.settings
-        self.model, self.worker_id, self.stream = ident.model, ident.worker_id, ident.stream
+        self.ident, self.r, self.keys, self.s = ident, ident.r, ident.keys, ident.settings
+        self.model, self.worker_id = ident.model, ident.worker_id
         self.engine, self.publisher, self.metrics, self.pacer = engine, publisher, metrics, pacer
         self.jobs, self.end_job, self.log = jobs, end_job, log
         self._start = lua.Script(self.r, lua.START)
         self._reject = lua.Script(self.r, lua.REJECT)
         self.round_trips = 0  # Redis round trips of the engine thread (bench/service.py)
         self._next_reclaim = self._next_poll = 0.0
-        self._claim_cursor = "0-0"
+        self._claim_cursor = {lane: "0-0" for lane in ident.lanes}
+        self._floor = lanes.floor_seats(engine.config.max_num_seqs, self.s.lane_min_share)
 
     def has_backlog(self) -> bool:
-        for g in self.r.xinfo_groups(self.stream):
-            if g["name"] == GROUP:
-                return bool(g.get("lag") or g.get("pending"))
+        for stream in self.ident.streams:
+            for g in self.r.xinfo_groups(stream):
+                if g["name"] == GROUP and (g.get("lag") or g.get("pending")):
+                    return True
         return False
 
-    def _room(self) -> int:
+    def _rooms(self) -> dict[str, int]:
+        """Seats each lane may admit now (worker/lanes.py)."""
+        held = dict.fromkeys(self.ident.lanes, 0)
+        for job in self.jobs.values():
+            held[job.lane] += job.seats
         eng = self.engine
-        if not eng.can_admit():
-            return 0
-        return max(0, eng.config.max_num_seqs - eng.num_running - eng.num_waiting)
+        got = lanes.rooms(eng.config.max_num_seqs, list(held.values()), self._floor,
+                          eng.can_admit())
+        return dict(zip(held, got, strict=True))
 
     def poll(self, own_pending: bool = False) -> bool:
         """Admit entries: own pending ones first (after a restart), then idle ones of
-        other workers, then new ones. Returns False while own pending remain."""
-        room = self._room()
-        if room <= 0:
-            return False
+        other workers, then new ones; each lane up to its room, highest lane first.
+        Returns False while own pending remain."""
         if own_pending:
-            resp = self.r.xreadgroup(GROUP, self.worker_id, {self.stream: "0"}, count=room)
-            entries = resp[0][1] if resp else []
-            if entries:
-                pend = self.r.xpending_range(self.stream, GROUP, min=entries[0][0],
-                                             max=entries[-1][0], count=len(entries),
-                                             consumername=self.worker_id)
-                counts = {p["message_id"]: p["times_delivered"] for p in pend}
-                for entry_id, fields in entries:
-                    self._admit(entry_id, fields, counts.get(entry_id, 1))
-            return len(entries) < room
+            more = False
+            for lane, room in self._rooms().items():
+                if room > 0:
+                    more |= not self._own_pending(lane, room)
+            return not more
         if time.monotonic() >= self._next_reclaim:
             self._next_reclaim = time.monotonic() + max(0.5, self.s.lease_s / 4)
-            self._claim_cursor, claimed = reclaim(self.r, self.stream, self.worker_id,
-                                                  self.s.lease_s, room, self._claim_cursor)
-            for c in claimed:
-                self.metrics.reclaims.inc()
-                self.log.info("entry_reclaimed", entry_id=c.entry_id, deliveries=c.deliveries)
-                self._admit(c.entry_id, c.fields, c.deliveries)
-            room = self._room()
-            if room <= 0:
-                return True
+            for lane in self.ident.lanes:
+                room = self._rooms()[lane]
+                if room <= 0:
+                    continue
+                self._claim_cursor[lane], claimed = reclaim(
+                    self.r, self.ident.stream(lane), self.worker_id, self.s.lease_s, room,
+                    self._claim_cursor[lane])
+                for c in claimed:
+                    self.metrics.reclaims.inc()
+                    self.log.info("entry_reclaimed", entry_id=c.entry_id, lane=lane,
+                                  deliveries=c.deliveries)
+                    self._admit(lane, c.entry_id, c.fields, c.deliveries)
         busy = self.engine.has_unfinished()
         if busy and time.monotonic() < self._next_poll:
             return True
-        self.round_trips += 1
-        resp = self.r.xreadgroup(GROUP, self.worker_id, {self.stream: ">"}, count=room,
-                                 block=None if busy else 500)
-        got = 0
-        for _stream, entries in resp or []:
-            for entry_id, fields in entries:
-                got += 1
-                self._admit(entry_id, fields, 1)
+        got = self._read_new(busy)
         self._next_poll = 0.0 if got else time.monotonic() + self.s.intake_poll_ms / 1000.0
         return True
 
-    def _admit(self, entry_id: str, fields: dict[str, str] | None, deliveries: int) -> None:
+    def _own_pending(self, lane: str, room: int) -> bool:
+        """Re-admit this worker's own pending entries of a lane; True when none remain."""
+        stream = self.ident.stream(lane)
+        resp = self.r.xreadgroup(GROUP, self.worker_id, {stream: "0"}, count=room)
+        entries = resp[0][1] if resp else []
+        if entries:
+            pend = self.r.xpending_range(stream, GROUP, min=entries[0][0], max=entries[-1][0],
+                                         count=len(entries), consumername=self.worker_id)
+            counts = {p["message_id"]: p["times_delivered"] for p in pend}
+            for entry_id, fields in entries:
+                self._admit(lane, entry_id, fields, counts.get(entry_id, 1))
+        return len(entries) < room
+
+    def _read_new(self, busy: bool) -> int:
+        """New entries. Idle: block on every lane at once for one entry each (the next
+        poll, not blocking, fills the rest lane by lane). Busy: each lane with room in
+        turn, highest first, so a lower lane sees what the higher ones left."""
+        got = 0
+        if not busy:
+            rooms = self._rooms()
+            streams = {self.ident.stream(ln): ">" for ln, room in rooms.items() if room > 0}
+            if not streams:
+                return 0
+            self.round_trips += 1
+            resp = self.r.xreadgroup(GROUP, self.worker_id, streams, count=1, block=500)
+            for stream, entries in sorted(resp or [], key=lambda x: self._rank[x[0]]):
+                for entry_id, fields in entries:
+                    got += 1
+                    self._admit(self._lane_of[stream], entry_id, fields, 1)
+            return got
+        for lane in self.ident.lanes:
+            room = self._rooms()[lane]
+            if room <= 0:
+                continue
+            self.round_trips += 1
+            resp = self.r.xreadgroup(GROUP, self.worker_id, {self.ident.stream(lane): ">"},
+                                     count=room)
+            for _stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    got += 1
+                    self._admit(lane, entry_id, fields, 1)
+        return got
+
+    @functools.cached_property
+    def _lane_of(self) -> dict[str, str]:
+        return {self.ident.stream(lane): lane for lane in self.ident.lanes}
+
+    @functools.cached_property
+    def _rank(self) -> dict[str, int]:
+        return {self.ident.stream(lane): i for i, lane in enumerate(self.ident.lanes)}
+
+    def _admit(self, lane: str, entry_id: str, fields: dict[str, str] | None,
+               deliveries: int) -> None:
         """START runs here, per entry, right before the job enters the engine (not batched
         over the entries read): a worker that crashes while admitting has then charged a
         start only to the jobs it got to (poison detection counts starts). Whatever one
         entry holds, it is admitted or dead-lettered: it never raises out of here."""
         if not fields:  # its data was deleted from the stream: nothing to run
-            self._ack_del(entry_id)
+            self._ack_del(lane, entry_id)
             return
         try:
-            req = parse_entry(fields, self.model)
+            req = parse_entry(fields, self.model, lane)
         except BadEntry as e:
-            self._reject_entry(entry_id, fields, str(e), e.job_id, deliveries)
+            self._reject_entry(lane, entry_id, fields, str(e), e.job_id, deliveries)
             return
         try:
-            self._start_job(entry_id, fields, req, deliveries)
+            self._start_job(lane, entry_id, fields, req, deliveries)
         except redis.ResponseError as e:  # e.g. WRONGTYPE: a hostile write to the job's keys
-            self._reject_entry(entry_id, fields, f"redis refused the job's keys: {e}",
+            self._reject_entry(lane, entry_id, fields, f"redis refused the job's keys: {e}",
                                fields["job"], deliveries)
 
-    def _start_job(self, entry_id: str, fields: dict[str, str], req: JobRequest,
+    def _start_job(self, lane: str, entry_id: str, fields: dict[str, str], req: JobRequest,
                    deliveries: int) -> None:
         job_id = fields["job"]
         if job_id in self.jobs:  # already running here (claimed back by our own refresh)
@@ -123,22 +171,22 @@ class Intake:
         faults.maybe_raise("intake", [job_id])
         jlog = self.log.bind(job_id=job_id)
         self.round_trips += 1
-        res = self._start(keys=[self.keys.job(job_id), self.keys.queued_tokens(self.model),
-                                self.keys.queued_jobs(self.model)],
+        res = self._start(keys=[self.keys.job(job_id), self.keys.queued_tokens(self.model, lane),
+                                self.keys.queued_jobs(self.model, lane)],
                           args=[self.worker_id, self.model, self.s.max_deliveries])
         if res[0] == "poison":
-            self._reject_entry(entry_id, fields, f"poison job: started {res[1]} times without "
+            self._reject_entry(lane, entry_id, fields, f"poison job: started {res[1]} times without "
                                f"a result (max_deliveries={self.s.max_deliveries})", job_id,
                                deliveries)
             return
         if res[0] != "ok":
             jlog.info("job_skipped", status=res[1])
-            self._ack_del(entry_id)
+            self._ack_del(lane, entry_id)
             return
         attempt, deadline = int(res[1]), float(res[2]) if res[2] else None
-        job = Job(job_id, entry_id, attempt, req, deadline, admitted_at=time.monotonic(),
+        job = Job(job_id, entry_id, attempt, req, lane, deadline, admitted_at=time.monotonic(),
                   queue_wait_s=float(res[4]))
-        self.metrics.queue_wait.observe(job.queue_wait_s)
+        self.metrics.queue_wait.labels(lane).observe(job.queue_wait_s)
         next_index = self._replay_events(job)
         if deadline is not None and time.time() > deadline:
             jlog.info("job_expired")
@@ -152,7 +200,8 @@ class Intake:
             self.engine.abort_request(job_id)
             if not isinstance(e, ValueError):
                 jlog.error("engine_refused_job", error=repr(e), exc_info=e)
-            self._reject_entry(entry_id, fields, str(e) or type(e).__name__, job_id, deliveries)
+            self._reject_entry(lane, entry_id, fields, str(e) or type(e).__name__, job_id,
+                               deliveries)
             return
         self.publisher.register(job_id, attempt, next_index)
         self.jobs[job_id] = job
@@ -174,12 +223,14 @@ class Intake:
         messages = ([m.model_dump(exclude_none=True) for m in req.messages]
                     if req.messages else None)
         prompt_tokens = 0
+        lanes_ = self.ident.lanes
+        priority = lanes.engine_priority(lanes_.index(job.lane), len(lanes_), req.priority)
         for k, choice in enumerate(job.choices):
             if choice.finish_reason is not None:
                 continue
             prompt_tokens = self.engine.add_request(
                 job.request_id(k), req.prompt, sampling_params(req, k), messages=messages,
-                priority=req.priority, resume_token_ids=choice.resumed_ids)
+                priority=priority, resume_token_ids=choice.resumed_ids)
         return prompt_tokens or len(self.engine.encode(req.prompt, messages))
 
     def _prefill_too_slow(self, job: Job) -> str:
@@ -195,9 +246,10 @@ class Intake:
         return (f"prompt of {job.prompt_tokens} tokens needs about {est:.0f} s to prefill on "
                 f"this worker; {what} allows {max(limit, 0):.0f} s")
 
-    def _ack_del(self, entry_id: str) -> None:
+    def _ack_del(self, lane: str, entry_id: str) -> None:
+        stream = self.ident.stream(lane)
         pipe = self.r.pipeline(transaction=True)
-        pipe.xack(self.stream, GROUP, entry_id).xdel(self.stream, entry_id).execute()
+        pipe.xack(stream, GROUP, entry_id).xdel(stream, entry_id).execute()
 
     def _replay_events(self, job: Job) -> int:
         """A reclaimed job continues after the tokens its earlier attempts published;
@@ -221,16 +273,18 @@ class Intake:
             n += 1
         return n
 
-    def _reject_entry(self, entry_id: str, fields: dict, reason: str, job_id: str,
+    def _reject_entry(self, lane: str, entry_id: str, fields: dict, reason: str, job_id: str,
                       deliveries: int) -> None:
-        self.log.warning("entry_rejected", entry_id=entry_id, job_id=job_id, reason=reason)
+        self.log.warning("entry_rejected", entry_id=entry_id, job_id=job_id, lane=lane,
+                         reason=reason)
         # bytes, as they came: hiredis packs str arguments as strict UTF-8, and a body that
         # is not UTF-8 arrives here with surrogate escapes (see Worker's connection)
         body = str(fields.get("body", fields))[:DLQ_BODY_CHARS].encode("utf-8", "surrogateescape")
         job_id = job_id or ""
-        self._reject(keys=[self.stream, self.keys.dlq(self.model), self.keys.job(job_id or "_"),
-                           self.keys.out(job_id or "_"), self.keys.queued_tokens(self.model),
-                           self.keys.queued_jobs(self.model)],
+        m = self.model
+        self._reject(keys=[self.ident.stream(lane), self.keys.dlq(m, lane),
+                           self.keys.job(job_id or "_"), self.keys.out(job_id or "_"),
+                           self.keys.queued_tokens(m, lane), self.keys.queued_jobs(m, lane)],
                      args=[GROUP, entry_id, reason[:DLQ_BODY_CHARS], job_id, body,
                            f"{time.time():.6f}", self.s.result_ttl_s, self.keys.chan(job_id or "_"),
                            deliveries, self.s.dlq_ttl_s])

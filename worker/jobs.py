@@ -22,7 +22,7 @@ from producer.settings import Settings
 @dataclass(frozen=True, slots=True)
 class WorkerIdentity:
     """What every part of a worker knows of it: its Redis, key scheme, settings, the model
-    it serves (= its jobs stream) and its consumer name."""
+    it serves, its lanes (= its jobs streams, highest first) and its consumer name."""
 
     r: redis.Redis
     keys: Keys
@@ -31,8 +31,15 @@ class WorkerIdentity:
     worker_id: str
 
     @property
-    def stream(self) -> str:
-        return self.keys.jobs(self.model)
+    def lanes(self) -> tuple[str, ...]:
+        return self.settings.lanes
+
+    def stream(self, lane: str) -> str:
+        return self.keys.jobs(self.model, lane)
+
+    @property
+    def streams(self) -> list[str]:
+        return [self.keys.jobs(self.model, lane) for lane in self.lanes]
 
 
 class BadEntry(ValueError):
@@ -59,6 +66,7 @@ class Job:
     entry_id: str
     attempt: int
     request: JobRequest
+    lane: str
     deadline: float | None = None
     prompt_tokens: int = 0
     choices: list[ChoiceState] = field(default_factory=list)
@@ -69,6 +77,11 @@ class Job:
     def __post_init__(self) -> None:
         if not self.choices:
             self.choices = [ChoiceState() for _ in range(self.request.n)]
+
+    @property
+    def seats(self) -> int:
+        """Engine requests this job holds now (its unfinished choices)."""
+        return sum(c.finish_reason is None for c in self.choices)
 
     def request_id(self, k: int) -> str:
         return self.job_id if self.request.n == 1 else f"{self.job_id}#{k}"
@@ -102,7 +115,7 @@ def split_request_id(rid: str) -> tuple[str, int]:
     return job_id, int(k) if sep else 0
 
 
-def parse_entry(fields: dict[str, str], model: str) -> JobRequest:
+def parse_entry(fields: dict[str, str], model: str, lane: str) -> JobRequest:
     """Validate a raw stream entry. Raises BadEntry with a reason a user can act on.
 
     The worker's connection decodes with ``surrogateescape``: bytes that are not UTF-8
@@ -136,6 +149,9 @@ def parse_entry(fields: dict[str, str], model: str) -> JobRequest:
     if req.model != model:
         raise BadEntry(f"malformed entry: body model {req.model!r} differs from the stream's "
                        f"model {model!r}", job_id)
+    if req.lane is not None and req.lane != lane:
+        raise BadEntry(f"malformed entry: body lane {req.lane!r} differs from the stream's "
+                       f"lane {lane!r}", job_id)
     return req
 
 

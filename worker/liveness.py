@@ -42,10 +42,12 @@ class Heartbeat:
         wk, ttl = keys.worker(ident.worker_id), int(ident.settings.heartbeat_ttl_s) + 1
         state = {"model": ident.model, "running": len(jobs), "at": f"{now:.3f}",
                  "kv_usage": f"{kv_usage:.4f}"}
-        refresh_keys = [ident.stream] + [keys.job(j.job_id) for j in jobs]
-        refresh_args: list = [GROUP, ident.worker_id]
+        refresh: dict[str, tuple[list, list]] = {}  # per lane: REFRESH's KEYS and ARGV
         for j in jobs:
-            refresh_args += [j.entry_id, j.attempt]
+            ks, args = refresh.setdefault(j.lane, ([ident.stream(j.lane)],
+                                                   [GROUP, ident.worker_id]))
+            ks.append(keys.job(j.job_id))
+            args += [j.entry_id, j.attempt]
         serving, prune_before = keys.serving(ident.model), now - PRUNE_AFTER_S
 
         def write(pipe) -> None:
@@ -56,8 +58,8 @@ class Heartbeat:
             pipe.zadd(serving, {ident.worker_id: now + ttl})
             pipe.sadd(keys.models, ident.model)
             pipe.zremrangebyscore(serving, "-inf", prune_before)
-            if jobs:
-                self._refresh(keys=refresh_keys, args=refresh_args, client=pipe)
+            for ks, args in refresh.values():
+                self._refresh(keys=ks, args=args, client=pipe)
 
         self.publisher.call(write)
 
@@ -75,21 +77,26 @@ class Heartbeat:
 
 
 def read_queue_metrics(ident: WorkerIdentity, metrics: Metrics) -> None:
-    """Stream length, pending, oldest pending age, DLQ size (one round trip)."""
+    """Stream length, pending, oldest pending age, DLQ size of each lane (one round trip)."""
     try:
         pipe = ident.r.pipeline(transaction=False)
-        pipe.xlen(ident.stream)
-        pipe.xpending(ident.stream, GROUP)
-        pipe.xlen(ident.keys.dlq(ident.model))
-        pipe.xpending_range(ident.stream, GROUP, min="-", max="+", count=1)
-        length, pend, dlq, oldest = pipe.execute()
+        for lane in ident.lanes:
+            stream = ident.stream(lane)
+            pipe.xlen(stream)
+            pipe.xpending(stream, GROUP)
+            pipe.xlen(ident.keys.dlq(ident.model, lane))
+            pipe.xpending_range(stream, GROUP, min="-", max="+", count=1)
+        res = pipe.execute()
     except Exception as e:  # noqa: BLE001 - metrics must never take the worker down
         log.warning("queue_metrics_failed", error=str(e))
         return
-    metrics.stream_length.set(length)
-    metrics.pending.set(pend["pending"] if isinstance(pend, dict) else 0)
-    metrics.dlq_size.set(dlq)
-    metrics.oldest_pending.set(oldest[0]["time_since_delivered"] / 1000 if oldest else 0)
+    for i, lane in enumerate(ident.lanes):
+        length, pend, dlq, oldest = res[4 * i:4 * i + 4]
+        metrics.stream_length.labels(lane).set(length)
+        metrics.pending.labels(lane).set(pend["pending"] if isinstance(pend, dict) else 0)
+        metrics.dlq_size.labels(lane).set(dlq)
+        metrics.oldest_pending.labels(lane).set(
+            oldest[0]["time_since_delivered"] / 1000 if oldest else 0)
 
 
 class Watchdog:

@@ -13,23 +13,24 @@ class Metrics:
         self.registry = reg = CollectorRegistry()
         self._preemptions_seen = 0
         g = lambda n, d: Gauge(f"pagedq:{n}", d, registry=reg)
+        lane_g = lambda n, d: Gauge(f"pagedq:{n}", d, ["lane"], registry=reg)
         c = lambda n, d: Counter(f"pagedq:{n}", d, registry=reg)
         self.running = g("num_requests_running", "Requests in the running batch")
         self.waiting = g("num_requests_waiting", "Requests admitted but waiting in the engine")
         self.kv_usage = g("kv_cache_usage_perc", "Share of KV-cache blocks in use (0-1)")
-        self.stream_length = g("stream_length", "Entries in the jobs stream")
-        self.pending = g("pending_count", "Entries delivered but not acknowledged")
-        self.oldest_pending = g("oldest_pending_age_seconds", "Idle time of the oldest pending entry")
-        self.dlq_size = g("dlq_size", "Entries in the dead-letter stream")
+        self.stream_length = lane_g("stream_length", "Entries in the lane's jobs stream")
+        self.pending = lane_g("pending_count", "Entries delivered but not acknowledged")
+        self.oldest_pending = lane_g("oldest_pending_age_seconds", "Idle time of the oldest pending entry")
+        self.dlq_size = lane_g("dlq_size", "Entries in the dead-letter stream")
         self.ttft = Histogram("pagedq:time_to_first_token_seconds", "Admission to first token",
-                              buckets=_LAT, registry=reg)
+                              ["lane"], buckets=_LAT, registry=reg)
         self.itl = Histogram("pagedq:inter_token_latency_seconds", "Between tokens of one job",
                              buckets=_ITL, registry=reg)
         self.e2e = Histogram("pagedq:e2e_request_latency_seconds", "Submission to final result",
                              buckets=_LAT, registry=reg)
         self.queue_wait = Histogram("pagedq:request_queue_time_seconds",
                                     "Submission to admission by a worker (queue wait)",
-                                    buckets=_LAT + (600, 1800, 3600), registry=reg)
+                                    ["lane"], buckets=_LAT + (600, 1800, 3600), registry=reg)
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = c("generation_tokens", "Tokens generated")
         self.preemptions = c("num_preemptions", "Preemptions by recompute")

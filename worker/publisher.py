@@ -35,6 +35,7 @@ class Final:
     job_id: str
     attempt: int
     entry_id: str
+    stream: str  # the jobs stream (lane) holding the job's entry
     status: str
     finish_reason: str
     text: str
@@ -193,7 +194,7 @@ class Publisher:
                 for f in finals:
                     idx = self._next_index.get(f.job_id, 0)
                     self._finish(keys=[self.keys.job(f.job_id), self.keys.out(f.job_id),
-                                       self.keys.jobs(self.model), self.keys.cancel],
+                                       f.stream, self.keys.cancel],
                                  args=[f.attempt, f.status, f.finish_reason, f.text, f.error,
                                        f.prompt_tokens, f.completion_tokens, idx,
                                        self.s.result_ttl_s, f.entry_id, GROUP, f.job_id,

@@ -59,23 +59,25 @@ class UnservedSweep:
 
     def run(self) -> None:
         r, keys, s = self.ident.r, self.ident.keys, self.ident.settings
-        models = sorted(r.smembers(keys.models))
-        if not models:
+        # every lane this worker knows of (a lane only a producer knows waits for a worker
+        # that has it in its settings.lanes)
+        targets = [(m, lane) for m in sorted(r.smembers(keys.models)) for lane in s.lanes]
+        if not targets:
             return
         for _ in range(2):  # a second time after loading the scripts (Redis lost its cache)
             pipe = r.pipeline(transaction=False)
-            for model in models:
-                self._script(keys=[keys.jobs(model), keys.serving(model),
-                                   keys.queued_tokens(model), keys.queued_jobs(model),
-                                   keys.cancel],
+            for model, lane in targets:
+                self._script(keys=[keys.jobs(model, lane), keys.serving(model),
+                                   keys.queued_tokens(model, lane),
+                                   keys.queued_jobs(model, lane), keys.cancel],
                              args=[keys.base, s.unserved_timeout_s, s.result_ttl_s, 1000],
                              client=pipe)
             results = pipe.execute(raise_on_error=False)
             if not lua.noscript(results):
                 break
             lua.load_all(r)
-        for model, n in zip(models, results, strict=True):
+        for (model, lane), n in zip(targets, results, strict=True):
             if isinstance(n, Exception):
-                self.log.warning("expire_unserved_failed", model=model, error=str(n))
+                self.log.warning("expire_unserved_failed", model=model, lane=lane, error=str(n))
             elif n:
-                self.log.warning("jobs_expired_unserved", model=model, count=n)
+                self.log.warning("jobs_expired_unserved", model=model, lane=lane, count=n)

@@ -51,7 +51,7 @@ class Worker:
                                       encoding_errors="surrogateescape",
                                       health_check_interval=10, socket_timeout=30)
         ident = self.ident = WorkerIdentity(self.r, Keys(s.prefix), s, s.model, self.worker_id)
-        self.model, self.keys, self.stream = ident.model, ident.keys, ident.stream
+        self.model, self.keys = ident.model, ident.keys
         self.log = log.bind(worker_id=self.worker_id, model=self.model)
         self.jobs: dict[str, Job] = {}
         self.metrics = Metrics()
@@ -85,7 +85,7 @@ class Worker:
             self.log.info("metrics_listening", host=self.s.metrics_host, port=port)
         self.publisher.start()
         self.watchdog.start()
-        self.log.info("worker_started", stream=self.stream)
+        self.log.info("worker_started", streams=self.ident.streams)
         t_start = time.perf_counter()
         try:
             self._loop(until_idle)
@@ -164,27 +164,32 @@ class Worker:
             return False
 
     def _ensure_group(self) -> None:
-        try:
-            self.r.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        for stream in self.ident.streams:
+            try:
+                self.r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
 
     def _release_all(self) -> None:
         """Hand unfinished jobs back: abort them here and mark their entries long idle so
         any other worker's next reclaim takes them (they resume from their events)."""
         if not self.jobs:
             return
-        ids = [j.entry_id for j in self.jobs.values()]
+        by_lane: dict[str, list[str]] = {}
+        for j in self.jobs.values():
+            by_lane.setdefault(j.lane, []).append(j.entry_id)
         for job_id in list(self.jobs):
             self.engine.abort_request(job_id)
         self.publisher.flush()
         idle_ms = int(self.s.lease_s * 1000) * 10
         try:
-            self.r.xclaim(self.stream, GROUP, self.worker_id, 0, ids, idle=idle_ms, justid=True)
+            for lane, ids in by_lane.items():
+                self.r.xclaim(self.ident.stream(lane), GROUP, self.worker_id, 0, ids,
+                              idle=idle_ms, justid=True)
         except _REDIS_DOWN:
             pass  # the lease expires on its own
-        self.log.info("jobs_released", count=len(ids))
+        self.log.info("jobs_released", count=len(self.jobs))
         self.jobs.clear()
 
     # ---- results ----------------------------------------------------------------------
@@ -202,7 +207,7 @@ class Worker:
                 if job is None:
                     continue
             if job.last_token_at is None:
-                self.metrics.ttft.observe(now - job.admitted_at)
+                self.metrics.ttft.labels(job.lane).observe(now - job.admitted_at)
             else:
                 self.metrics.itl.observe(now - job.last_token_at)
             job.last_token_at = now
@@ -240,7 +245,8 @@ class Worker:
             jlog.info("job_done", status=status, finish_reason=reason, verdict=verdict,
                       completion_tokens=job.completion_tokens)
 
-        self.publisher.final(Final(job.job_id, job.attempt, job.entry_id, status, reason,
+        self.publisher.final(Final(job.job_id, job.attempt, job.entry_id,
+                                   self.ident.stream(job.lane), status, reason,
                                    job.text, error, job.prompt_tokens,
                                    job.completion_tokens, done, job.choices_json()))
 

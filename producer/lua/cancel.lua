@@ -1,8 +1,8 @@
 -- CANCEL: cancel a queued job at once, or ask the owning worker to stop a running one.
 -- KEYS: 1 job hash, 2 out stream, 3 cancel set
--- ARGV: 1 job id, 2 result_ttl_s, 3 pub/sub channel, 4 queued-tokens key prefix (model
---       appended), 5 queued-jobs key prefix (model appended); the derived keys are in the
---       same slot as the declared ones
+-- ARGV: 1 job id, 2 result_ttl_s, 3 pub/sub channel, 4 queued-tokens key prefix
+--       ('<model>:<lane>' appended), 5 queued-jobs key prefix (the same); the derived keys
+--       are in the same slot as the declared ones
 -- Reply: "missing" | "terminal" | "cancelled" (was queued) | "requested" (was running)
 local job, out, cset = KEYS[1], KEYS[2], KEYS[3]
 local st = redis.call('HGET', job, 'status')
@@ -23,10 +23,14 @@ end
 local text = table.concat(parts)
 local now = now_str()
 write_final(out, ARGV[3], idx, 'cancelled', 'cancelled', text, '', 0, 0)
-local model = redis.call('HGET', job, 'model') or ''
-if model ~= '' then leave_queue(job, ARGV[4] .. model, ARGV[5] .. model) end
+local h = redis.call('HMGET', job, 'model', 'lane')
+if h[1] and h[1] ~= '' then
+  local ml = h[1] .. ':' .. (h[2] or 'interactive')  -- no lane: entered without SUBMIT
+  leave_queue(job, ARGV[4] .. ml, ARGV[5] .. ml)
+end
 redis.call('HSET', job, 'status', 'cancelled', 'finish_reason', 'cancelled',
            'finished_at', now, 'text', text)
+count_in_batch(job, 'cancelled')
 redis.call('SREM', cset, ARGV[1])
 redis.call('EXPIRE', job, ARGV[2])
 redis.call('EXPIRE', out, ARGV[2])

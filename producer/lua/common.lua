@@ -56,3 +56,15 @@ local function leave_queue(job, qtokens, qjobs)
   end
   redis.call('HSET', job, 'qtok', 0)
 end
+
+-- A job of a bulk batch counts itself on its batch's record as it ends: every script that
+-- makes a job terminal calls this in the same atomic step as the status change (a job ends
+-- once), so the batch's completed/failed counts are exact and each item is pushed once.
+-- SUBMIT stored the batch's key names (built by producer/keys.py) in the job hash.
+local function count_in_batch(job, status)
+  local b = redis.call('HMGET', job, 'bkey', 'bdone', 'bitem')
+  if not b[1] then return end
+  redis.call('HINCRBY', b[1], status == 'finished' and 'completed' or 'failed', 1)
+  redis.call('HINCRBY', b[1], 'n_' .. status, 1)
+  redis.call('RPUSH', b[2], b[3])
+end

@@ -21,6 +21,7 @@ for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', tonumber(ARG
       local err = 'no worker served this model for ' .. ARGV[2] .. ' s'
       redis.call('HSET', jk, 'status', 'expired', 'finish_reason', 'no_worker', 'error', err,
                  'finished_at', nows)
+      count_in_batch(jk, 'expired')
       write_final(ok, ARGV[1] .. ':chan:' .. id, last_index(ok) + 1, 'expired', 'no_worker',
                   '', err, 0, 0)
       redis.call('EXPIRE', jk, ARGV[3])

@@ -22,6 +22,7 @@ redis.call('HSET', KEYS[1], 'status', ARGV[2], 'finish_reason', ARGV[3], 'text',
            'error', ARGV[5], 'prompt_tokens', ARGV[6], 'completion_tokens', ARGV[7],
            'finished_at', ARGV[14])
 if choices ~= '' then redis.call('HSET', KEYS[1], 'choices', choices) end
+count_in_batch(KEYS[1], ARGV[2])
 write_final(KEYS[2], ARGV[13], ARGV[8], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
             choices, ARGV[15])
 redis.call('EXPIRE', KEYS[1], ARGV[9])

@@ -22,6 +22,7 @@ if ARGV[4] ~= '' then
     local idx = last_index(KEYS[4]) + 1
     redis.call('HSET', KEYS[3], 'status', 'failed', 'finish_reason', 'error',
                'error', ARGV[3], 'finished_at', ARGV[6])
+    count_in_batch(KEYS[3], 'failed')
     write_final(KEYS[4], ARGV[8], idx, 'failed', 'error', '', ARGV[3], 0, 0)
     redis.call('EXPIRE', KEYS[3], ARGV[7])
     redis.call('EXPIRE', KEYS[4], ARGV[7])

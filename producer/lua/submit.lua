@@ -1,15 +1,18 @@
 -- SUBMIT: enqueue one job, atomically and idempotently (docs/protocol.md "Submitting").
--- KEYS: 1 job hash, 2 jobs stream, 3 queued-tokens counter, 4 out stream,
---       5 queued-jobs counter, 6 serving zset of the model, 7 models set
+-- KEYS: 1 job hash, 2 jobs stream of the lane, 3 queued-tokens counter of the lane,
+--       4 out stream, 5 queued-jobs counter of the lane, 6 serving zset of the model,
+--       7 models set; only for a job of a bulk batch: 8 batch hash, 9 batch done list
 -- ARGV: 1 job id, 2 body JSON, 3 req_hash, 4 model, 5 qtok, 6 timeout_s or "",
 --       7 max_queued_jobs (0 = unlimited), 8 max_queued_tokens (0 = unlimited),
---       9 consumer group name, 10 schema version, 11 require_worker ("1" or "0")
+--       9 consumer group name, 10 schema version, 11 require_worker ("1" or "0"),
+--       12 lane; only with KEYS 8-9: 13 batch item (pushed on the done list as it ends)
 -- Reply: {"queued", entry_id} | {"exists", status} | {"conflict", ""}
 --        | {"overloaded", cap_name, cap, current} | {"invalid", reason} | {"no_worker", model}
 local job, stream, qkey, out = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 -- The script checks its own arguments: a producer in any language may call it, and a bad
 -- argument must be refused here, not leave a job that no worker can run or count.
-local id, model = ARGV[1], ARGV[4]
+local id, model, lane = ARGV[1], ARGV[4], ARGV[12] or ''
+local batch = #KEYS >= 9
 local function bad(reason) return {'invalid', reason} end
 if #id < 1 or #id > 128 or string.find(id, '^[%w_.:%-]+$') == nil then
   return bad('job id must be 1-128 of [A-Za-z0-9_.:-]')
@@ -17,11 +20,21 @@ end
 if #model < 1 or #model > 128 or string.find(model, '^[%w_.%-]+$') == nil then
   return bad('model must be 1-128 of [A-Za-z0-9_.-]')
 end
+if #lane < 1 or #lane > 32 or string.find(lane, '^[a-z0-9_%-]+$') == nil then
+  return bad('lane must be 1-32 of [a-z0-9_-]')
+end
 local function ends(s, suffix) return string.sub(s, -#suffix) == suffix end
-if not (ends(job, '}:job:' .. id) and ends(out, '}:out:' .. id) and ends(stream, '}:jobs:' .. model)
-        and ends(qkey, '}:qtokens:' .. model) and ends(KEYS[5], '}:qjobs:' .. model)
+local ml = model .. ':' .. lane
+if not (ends(job, '}:job:' .. id) and ends(out, '}:out:' .. id) and ends(stream, '}:jobs:' .. ml)
+        and ends(qkey, '}:qtokens:' .. ml) and ends(KEYS[5], '}:qjobs:' .. ml)
         and ends(KEYS[6], '}:serving:' .. model) and ends(KEYS[7], '}:models')) then
-  return bad('KEYS do not name this job id and model (see docs/protocol.md)')
+  return bad('KEYS do not name this job id, model and lane (see docs/protocol.md)')
+end
+if batch then
+  local bid = string.match(KEYS[8], '}:batch:([%w_.:%-]+)$')
+  if not bid or not ends(KEYS[9], '}:batchdone:' .. bid) or (ARGV[13] or '') == '' then
+    return bad('KEYS 8-9 must name one batch and ARGV[13] its item (see docs/protocol.md)')
+  end
 end
 for _, i in ipairs({5, 7, 8}) do
   if string.find(ARGV[i], '^%d+$') == nil or #ARGV[i] > 15 then
@@ -42,6 +55,7 @@ if not ok or type(obj) ~= 'table' or string.find(ARGV[2], '^%s*{') == nil then
 end
 if obj.id ~= nil and obj.id ~= id then return bad('body id differs from the job id') end
 if obj.model ~= nil and obj.model ~= model then return bad('body model differs from the model') end
+if obj.lane ~= nil and obj.lane ~= lane then return bad('body lane differs from the lane') end
 if redis.call('EXISTS', job) == 1 then
   if redis.call('HGET', job, 'req_hash') == ARGV[3] then
     return {'exists', redis.call('HGET', job, 'status') or ''}
@@ -70,8 +84,9 @@ if ARGV[6] ~= '' then
 end
 -- A job id reused after its record expired starts with an empty event log.
 redis.call('DEL', out)
-redis.call('HSET', job, 'status', 'queued', 'model', model, 'attempt', '0',
+redis.call('HSET', job, 'status', 'queued', 'model', model, 'lane', lane, 'attempt', '0',
            'created_at', now, 'req_hash', ARGV[3], 'qtok', ARGV[5], 'deadline', deadline)
+if batch then redis.call('HSET', job, 'bkey', KEYS[8], 'bdone', KEYS[9], 'bitem', ARGV[13]) end
 -- queued = jobs submitted and not yet out of 'queued': see leave_queue (common.lua)
 redis.call('INCRBY', qkey, qtok)
 redis.call('INCR', KEYS[5])
