@@ -34,7 +34,7 @@ import json
 import random
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -259,6 +259,38 @@ class Cursor:
             if isinstance(ev, FinalEvent):
                 break
         return out, False
+
+
+@dataclass(slots=True)
+class ChoiceReplay:
+    token_ids: list[int] = field(default_factory=list)
+    deltas: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def replay(entries: Entries, num_choices: int) -> tuple[list[ChoiceReplay], int]:
+    """What earlier attempts of a job published, for a worker that takes it over: each
+    choice's tokens, text and end, and the next event index. Reads events in order from
+    index 0 and stops at the first it cannot continue from (a gap, a final event, an entry
+    it cannot parse, a choice out of range): the events after it are written again."""
+    choices = [ChoiceReplay() for _ in range(num_choices)]
+    cur = Cursor(0)
+    for entry in entries:
+        try:
+            evs, gap = cur.take([entry])
+        except (ValueError, KeyError, TypeError):  # pydantic's ValidationError is a ValueError
+            break
+        if gap:
+            break
+        ev = evs[0]
+        if not isinstance(ev, TokenEvent) or not 0 <= ev.choice < num_choices:
+            cur.idx -= 1  # not taken
+            break
+        c = choices[ev.choice]
+        c.token_ids.extend(ev.token_ids)
+        c.deltas.append(ev.delta)
+        c.finish_reason = ev.finish_reason or c.finish_reason
+    return choices, cur.idx
 
 
 def final_of(job_id: str, h: dict[str, str], last: list[Any], cur: Cursor) -> FinalEvent | None:

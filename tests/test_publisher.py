@@ -23,7 +23,7 @@ def test_coalesced_events_then_one_final(redis_server, r):
     for step in range(3):  # three engine steps inside one coalescing window
         pub.tokens([(j, 1, None, f"{j}{step} ", [step], None, None) for j in jobs])
     verdicts = []
-    pub.final(Final("a", 1, "", "finished", "length", "a0 a1 a2 ", "", 3, 3, verdicts.append))
+    pub.final(Final("a", 1, "", keys.jobs("m"), "finished", "length", "a0 a1 a2 ", "", 3, 3, verdicts.append))
     pub.stop()
     assert verdicts == ["ok"]
     with Client(redis_server.url, prefix="pub", model="m") as c:
@@ -42,7 +42,7 @@ def test_stale_owner_is_fenced_and_told(redis_server, r):
     pub.register("x", 1, 0)
     pub.tokens([("x", 1, None, "late", [5], None, None)])
     verdicts = []
-    pub.final(Final("x", 1, "", "finished", "stop", "late", on_done=verdicts.append))
+    pub.final(Final("x", 1, "", keys.jobs("m"), "finished", "stop", "late", on_done=verdicts.append))
     pub.stop()
     assert r.xlen(keys.out("x")) == 0
     assert verdicts == ["fenced"]

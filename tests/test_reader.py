@@ -13,6 +13,7 @@ from producer.reader import (
     POLL_S,
     READ_COUNT,
     Backoff,
+    ChoiceReplay,
     Command,
     Exchange,
     Exists,
@@ -27,6 +28,7 @@ from producer.reader import (
     read_mirror,
     read_status,
     read_stream,
+    replay,
     wait_result,
 )
 from producer.schema import FinalEvent, JobRecord, TokenEvent, final_fields, token_fields
@@ -276,3 +278,23 @@ def test_backoff_delay_after_raises_the_failure_once_spent():
     with pytest.raises(ConnectionError) as got:
         Backoff(0.0).delay_after(err)
     assert got.value is err
+
+
+def test_replay_folds_published_tokens_per_choice_and_stops_at_the_first_unusable_event():
+    def tok(i, c, d, ids, fr=None):
+        return (f"0-{i + 1}", token_fields(i, d, ids, choice=c, finish_reason=fr))
+
+    log = [tok(0, 0, "a", [1]), tok(1, 1, "b", [2]), tok(2, 0, "c", [3, 4], "length"),
+           tok(3, 1, "d", [5])]
+    choices, nxt = replay(log, 2)
+    assert nxt == 4
+    assert [c.token_ids for c in choices] == [[1, 3, 4], [2, 5]]
+    assert ["".join(c.deltas) for c in choices] == ["ac", "bd"]
+    assert [c.finish_reason for c in choices] == ["length", None]
+    # a gap (trimmed or lost entry), a choice out of range, a final, garbage: stop there
+    assert replay([log[0], log[2]], 2)[1] == 1
+    assert replay(log, 1)[1] == 1
+    final = ("0-2", final_fields(1, "finished", "stop", "a", "", 1, 1))
+    assert replay([log[0], final], 2)[1] == 1
+    assert replay([log[0], ("0-2", {"t": "token", "i": "x"})], 2)[1] == 1
+    assert replay([], 3) == ([ChoiceReplay(), ChoiceReplay(), ChoiceReplay()], 0)

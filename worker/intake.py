@@ -14,8 +14,11 @@ from collections.abc import Callable
 
 import redis
 
+from producer import worker_scripts
 from producer.keys import GROUP
-from producer.schema import FinishReason, JobRequest, Status, parse_event
+from producer.reader import replay
+from producer.schema import FinishReason, JobRequest, Status
+from producer.worker_scripts import Started
 from worker import faults, lanes, lua
 from worker.jobs import BadEntry, Job, WorkerIdentity, parse_entry, sampling_params
 from worker.metrics import Metrics
@@ -171,21 +174,20 @@ class Intake:
         faults.maybe_raise("intake", [job_id])
         jlog = self.log.bind(job_id=job_id)
         self.round_trips += 1
-        res = self._start(keys=[self.keys.job(job_id), self.keys.queued_tokens(self.model, lane),
-                                self.keys.queued_jobs(self.model, lane)],
-                          args=[self.worker_id, self.model, self.s.max_deliveries])
-        if res[0] == "poison":
-            self._reject_entry(lane, entry_id, fields, f"poison job: started {res[1]} times without "
-                               f"a result (max_deliveries={self.s.max_deliveries})", job_id,
-                               deliveries)
+        res = Started.parse(self._start(*worker_scripts.start(
+            self.keys, job_id, self.model, lane, self.worker_id, self.s.max_deliveries)))
+        if res.kind == "poison":
+            self._reject_entry(lane, entry_id, fields, f"poison job: started {res.attempts} "
+                               f"times without a result (max_deliveries="
+                               f"{self.s.max_deliveries})", job_id, deliveries)
             return
-        if res[0] != "ok":
-            jlog.info("job_skipped", status=res[1])
+        if res.kind != "ok":
+            jlog.info("job_skipped", status=res.status)
             self._ack_del(lane, entry_id)
             return
-        attempt, deadline = int(res[1]), float(res[2]) if res[2] else None
+        attempt, deadline = res.attempt, res.deadline
         job = Job(job_id, entry_id, attempt, req, lane, deadline, admitted_at=time.monotonic(),
-                  queue_wait_s=float(res[4]))
+                  queue_wait_s=res.queue_wait_s)
         self.metrics.queue_wait.labels(lane).observe(job.queue_wait_s)
         next_index = self._replay_events(job)
         if deadline is not None and time.time() > deadline:
@@ -253,25 +255,17 @@ class Intake:
 
     def _replay_events(self, job: Job) -> int:
         """A reclaimed job continues after the tokens its earlier attempts published;
-        returns the next event index. Replay stops at the first event it cannot use."""
+        returns the next event index (producer/reader.py ``replay``)."""
         if job.attempt <= 1:
             return 0
-        n = 0
-        for _eid, f in self.r.xrange(self.keys.out(job.job_id)):
-            try:
-                ev = parse_event(f)
-            except (ValueError, KeyError):
-                break
-            if ev.index != n or ev.type != "token" or not 0 <= ev.choice < len(job.choices):
-                break
-            choice = job.choices[ev.choice]
-            choice.resumed_ids.extend(ev.token_ids)
-            choice.num_tokens += len(ev.token_ids)
-            choice.text.append(ev.delta)
-            if ev.finish_reason:
-                choice.finish_reason = ev.finish_reason
-            n += 1
-        return n
+        replayed, next_index = replay(self.r.xrange(self.keys.out(job.job_id)),
+                                      len(job.choices))
+        for choice, done in zip(job.choices, replayed, strict=True):
+            choice.resumed_ids.extend(done.token_ids)
+            choice.num_tokens += len(done.token_ids)
+            choice.text.extend(done.deltas)
+            choice.finish_reason = done.finish_reason
+        return next_index
 
     def _reject_entry(self, lane: str, entry_id: str, fields: dict, reason: str, job_id: str,
                       deliveries: int) -> None:
@@ -280,13 +274,8 @@ class Intake:
         # bytes, as they came: hiredis packs str arguments as strict UTF-8, and a body that
         # is not UTF-8 arrives here with surrogate escapes (see Worker's connection)
         body = str(fields.get("body", fields))[:DLQ_BODY_CHARS].encode("utf-8", "surrogateescape")
-        job_id = job_id or ""
-        m = self.model
-        self._reject(keys=[self.ident.stream(lane), self.keys.dlq(m, lane),
-                           self.keys.job(job_id or "_"), self.keys.out(job_id or "_"),
-                           self.keys.queued_tokens(m, lane), self.keys.queued_jobs(m, lane)],
-                     args=[GROUP, entry_id, reason[:DLQ_BODY_CHARS], job_id, body,
-                           f"{time.time():.6f}", self.s.result_ttl_s, self.keys.chan(job_id or "_"),
-                           deliveries, self.s.dlq_ttl_s])
+        self._reject(*worker_scripts.reject(self.keys, self.model, lane, entry_id,
+                                   reason[:DLQ_BODY_CHARS], job_id or "", body, time.time(),
+                                   self.s.result_ttl_s, deliveries, self.s.dlq_ttl_s))
         self.jobs.pop(job_id, None)
         self.metrics.finished.labels(Status.failed).inc()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import redis
 import structlog
 
+from producer import worker_scripts
 from producer.keys import GROUP
 from worker import fatal, faults, lua
 from worker.jobs import Job, WorkerIdentity
@@ -42,12 +43,11 @@ class Heartbeat:
         wk, ttl = keys.worker(ident.worker_id), int(ident.settings.heartbeat_ttl_s) + 1
         state = {"model": ident.model, "running": len(jobs), "at": f"{now:.3f}",
                  "kv_usage": f"{kv_usage:.4f}"}
-        refresh: dict[str, tuple[list, list]] = {}  # per lane: REFRESH's KEYS and ARGV
+        owned: dict[str, list[tuple[str, str, int]]] = {}  # per lane
         for j in jobs:
-            ks, args = refresh.setdefault(j.lane, ([ident.stream(j.lane)],
-                                                   [GROUP, ident.worker_id]))
-            ks.append(keys.job(j.job_id))
-            args += [j.entry_id, j.attempt]
+            owned.setdefault(j.lane, []).append((j.job_id, j.entry_id, j.attempt))
+        refresh = [worker_scripts.refresh(keys, ident.stream(lane), ident.worker_id, o)
+                   for lane, o in owned.items()]
         serving, prune_before = keys.serving(ident.model), now - PRUNE_AFTER_S
 
         def write(pipe) -> None:
@@ -58,8 +58,8 @@ class Heartbeat:
             pipe.zadd(serving, {ident.worker_id: now + ttl})
             pipe.sadd(keys.models, ident.model)
             pipe.zremrangebyscore(serving, "-inf", prune_before)
-            for ks, args in refresh.values():
-                self._refresh(keys=ks, args=args, client=pipe)
+            for call in refresh:
+                self._refresh(*call, client=pipe)
 
         self.publisher.call(write)
 

@@ -12,7 +12,6 @@ thread owns every job's next event index; a failed round trip is retried as a wh
 """
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -23,7 +22,8 @@ from typing import Any
 import redis
 import structlog
 
-from producer.keys import GROUP, Keys
+from producer import worker_scripts
+from producer.keys import Keys
 from producer.settings import Settings
 from worker import fatal, faults, lua
 
@@ -167,9 +167,9 @@ class Publisher:
 
     def _write(self, pending: dict[str, _Pending], order: list[tuple[str, Any]],
                calls: list, cancel_ids: list[str]) -> None:
-        keys, argv = [], [self.s.out_maxlen, self.s.stream_idle_ttl_s]
+        pub = worker_scripts.Publish(self.keys, self.s.out_maxlen, self.s.stream_idle_ttl_s)
         finals: list[Final] = []
-        published: list[str] = []  # job id of each event, in the script's KEYS order
+        published: list[str] = []  # job id of each event, in add order
         for kind, obj in order:
             if kind == "tok":
                 p = pending[obj]
@@ -177,10 +177,8 @@ class Publisher:
                 published.append(job_id)
                 idx = self._next_index.get(job_id, 0)
                 self._next_index[job_id] = idx + 1
-                keys += [self.keys.job(job_id), self.keys.out(job_id)]
-                argv += [p.attempt, idx, "".join(p.delta), ",".join(map(str, p.ids)),
-                         json.dumps(p.lp) if p.lp else "", self.keys.chan(job_id),
-                         "" if p.choice is None else p.choice, p.finish_reason or ""]
+                pub.add(job_id, p.attempt, idx, "".join(p.delta), p.ids, p.lp or None,
+                        p.choice, p.finish_reason)
             else:
                 finals.append(obj)
         if faults.FAILPOINTS:
@@ -189,19 +187,14 @@ class Publisher:
         while True:
             try:
                 pipe = self.r.pipeline(transaction=False)
-                if keys:
-                    self._publish(keys=keys, args=argv, client=pipe)
+                if published:
+                    self._publish(*pub.call, client=pipe)
                 for f in finals:
-                    idx = self._next_index.get(f.job_id, 0)
-                    self._finish(keys=[self.keys.job(f.job_id), self.keys.out(f.job_id),
-                                       f.stream, self.keys.cancel],
-                                 args=[f.attempt, f.status, f.finish_reason, f.text, f.error,
-                                       f.prompt_tokens, f.completion_tokens, idx,
-                                       self.s.result_ttl_s, f.entry_id, GROUP, f.job_id,
-                                       self.keys.chan(f.job_id), f"{time.time():.6f}",
-                                       self.s.out_maxlen,
-                                       json.dumps(f.choices) if f.choices else ""],
-                                 client=pipe)
+                    self._finish(*worker_scripts.finish(
+                        self.keys, f.job_id, f.stream, f.entry_id, f.attempt, f.status,
+                        f.finish_reason, f.text, f.error, f.prompt_tokens, f.completion_tokens,
+                        self._next_index.get(f.job_id, 0), time.time(), self.s.result_ttl_s,
+                        self.s.out_maxlen, f.choices), client=pipe)
                 for fn in calls:
                     fn(pipe)
                 if cancel_ids:
@@ -221,10 +214,10 @@ class Publisher:
             if isinstance(x, Exception):
                 self.errors += 1
                 log.error("publish_script_error", error=str(x))
-        base = 1 if keys else 0
-        if keys and isinstance(res[0], list):
-            for pos in res[0][1]:
-                self.lost.put(published[int(pos)])
+        base = 1 if published else 0
+        if published and isinstance(res[0], list):
+            for pos in pub.lost(res[0]):
+                self.lost.put(published[pos])
         for f, verdict in zip(finals, res[base:base + len(finals)], strict=True):
             self._next_index.pop(f.job_id, None)
             if f.on_done is not None:

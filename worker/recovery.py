@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import redis
 
+from producer import worker_scripts
 from producer.keys import GROUP
 from worker import lua
 
@@ -67,11 +68,9 @@ class UnservedSweep:
         for _ in range(2):  # a second time after loading the scripts (Redis lost its cache)
             pipe = r.pipeline(transaction=False)
             for model, lane in targets:
-                self._script(keys=[keys.jobs(model, lane), keys.serving(model),
-                                   keys.queued_tokens(model, lane),
-                                   keys.queued_jobs(model, lane), keys.cancel],
-                             args=[keys.base, s.unserved_timeout_s, s.result_ttl_s, 1000],
-                             client=pipe)
+                call = worker_scripts.expire_unserved(keys, model, lane, s.unserved_timeout_s,
+                                                      s.result_ttl_s, 1000)
+                self._script(*call, client=pipe)
             results = pipe.execute(raise_on_error=False)
             if not lua.noscript(results):
                 break
