@@ -40,3 +40,4 @@ __all__ = [
     "InvalidRequest", "JobConflict", "JobNotFound", "JobRecord", "JobRequest", "Keys",
     "NoWorker", "Overloaded", "PagedqError", "ResultTimeout", "Settings", "Status", "TokenEvent", "Usage",
 ]
+from .batch import AsyncBatches as AsyncBatches, Batches as Batches  # noqa: E402, I001

@@ -157,7 +157,9 @@ def test_every_option_help_states_its_default():
     p = build_parser()
     assert {sp.prog for sp in parsers(p)} == {
         "pagedq", *(f"pagedq {c}" for c in ("worker", "demo", "submit", "status", "result",
-                                            "cancel"))}
+                                            "cancel", "batch")),
+        *(f"pagedq batch {c}" for c in ("submit", "status", "results", "cancel", "retry", "list",
+                                        "worker"))}
     assert options_without_default(p) == []
 
 

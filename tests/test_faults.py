@@ -60,14 +60,15 @@ def test_long_prefill_on_a_slow_device_is_not_taken_over(svc):
         assert rec.status == "finished" and rec.attempt == 1, rec
     assert c.status(first).worker == a.worker_id
     assert "entry_reclaimed" not in b.log(None) and "entry_reclaimed" not in a.log(None)
-    # with the measured cost, a prompt that cannot be prefilled before its deadline fails
+    # with the measured cost, a prompt that cannot be prefilled before its deadline expires
     # at once with the reason (after the worker that measured it admits it)
     b.stop()
     calibrate = gen(c, "d", max_tokens=10)  # a's own measurements: a few more steps
     assert c.result(calibrate, timeout=60).status == "finished"
     late = gen(c, "c" * 240, max_tokens=4, timeout_s=2.5)
     rec = c.result(late, timeout=60)
-    assert rec.status == "failed" and "to prefill" in rec.error, rec
+    assert rec.status == "expired" and rec.finish_reason == "deadline", rec
+    assert "to prefill" in rec.error and "the job's deadline" in rec.error, rec
 
 
 def test_unserved_model_jobs_expire_and_require_worker_refuses(svc):

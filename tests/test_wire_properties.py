@@ -282,7 +282,8 @@ def test_random_invalid_input_is_refused_or_dead_lettered(svc, data):
 
 def test_jobs_of_a_batch_count_themselves_on_its_record_as_they_end(svc):
     c, w = svc
-    bid = f"b{uuid.uuid4().hex[:8]}"
+    bid, gone = f"b{uuid.uuid4().hex[:8]}", f"g{uuid.uuid4().hex[:8]}"
+    c.redis.hset(c.keys.batch(bid), "total", 3)  # the batch control plane's record
     ok = [f"{bid}.{i}" for i in range(2)]
     for j in ok:
         keys, args = submit_call(c.keys, JobRequest(id=j, model=MODEL, prompt="Hi", max_tokens=2,
@@ -294,11 +295,18 @@ def test_jobs_of_a_batch_count_themselves_on_its_record_as_they_end(svc):
     args[1] = good_body(bad, bogus=1, lane="batch")
     args[2] = hashlib.sha256(args[1].encode()).hexdigest()
     assert c.redis.eval(SUBMIT_LUA, len(keys), *keys, *args)[0] == "queued"
+    orphan = f"{gone}.0"  # of a batch whose record is gone (expired): no stub is left
+    keys, args = submit_call(c.keys, JobRequest(id=orphan, model=MODEL, prompt="Hi", max_tokens=2,
+                                                lane="batch"), c.settings, batch=(gone, orphan))
+    assert c.redis.eval(SUBMIT_LUA, len(keys), *keys, *args)[0] == "queued"
     assert [c.result(j, timeout=120).status for j in ok + [bad]] == ["finished"] * 2 + ["failed"]
+    assert c.result(orphan, timeout=120).status == "finished"
     assert c.cancel(ok[0]) is False  # a second end is no end: counted once
     rec = c.redis.hgetall(c.keys.batch(bid))
-    assert rec == {"completed": "2", "failed": "1", "n_finished": "2", "n_failed": "1"}, rec
+    assert rec == {"total": "3", "completed": "2", "failed": "1", "n_finished": "2",
+                   "n_failed": "1"}, rec
     assert sorted(c.redis.lrange(c.keys.batch_done(bid), 0, -1)) == sorted(ok + [bad])
+    assert not c.redis.exists(c.keys.batch(gone), c.keys.batch_done(gone))
     settle(c)
 
 

@@ -210,10 +210,11 @@ class Intake:
         if job.done:  # every choice had ended before a crash (replayed): just finish
             self.end_job(job, Status.finished, job.finish_reason())
             return
-        too_slow = self._prefill_too_slow(job)
-        if too_slow:
+        too_slow, by_deadline = self._prefill_too_slow(job)
+        if too_slow:  # the job's own deadline: it expires; the worker's limit: it fails
             self.engine.abort_request(job_id)
-            self.end_job(job, Status.failed, FinishReason.error, error=too_slow)
+            self.end_job(job, *((Status.expired, FinishReason.deadline) if by_deadline
+                                else (Status.failed, FinishReason.error)), error=too_slow)
             return
         self.metrics.prompt_tokens.inc(job.prompt_tokens)
         jlog.info("job_started", attempt=attempt, resumed_tokens=job.completion_tokens)
@@ -235,18 +236,20 @@ class Intake:
                 priority=priority, resume_token_ids=choice.resumed_ids)
         return prompt_tokens or len(self.engine.encode(req.prompt, messages))
 
-    def _prefill_too_slow(self, job: Job) -> str:
-        """Why the job cannot be prefilled in time on this worker, or ''."""
+    def _prefill_too_slow(self, job: Job) -> tuple[str, bool]:
+        """Why the job cannot be prefilled in time on this worker ('' if it can), and
+        whether the job's deadline (not PAGEDQ_MAX_PREFILL_S) is what it cannot meet."""
         est = self.pacer.prefill_estimate_s(job.prompt_tokens * len(job.choices))
         if est is None:
-            return ""
-        limit, what = self.s.max_prefill_s or float("inf"), "PAGEDQ_MAX_PREFILL_S"
+            return "", False
+        limit, by_deadline = self.s.max_prefill_s or float("inf"), False
         if job.deadline is not None and job.deadline - time.time() < limit:
-            limit, what = job.deadline - time.time(), "the job's deadline"
+            limit, by_deadline = job.deadline - time.time(), True
         if est <= limit:
-            return ""
+            return "", False
+        what = "the job's deadline" if by_deadline else "PAGEDQ_MAX_PREFILL_S"
         return (f"prompt of {job.prompt_tokens} tokens needs about {est:.0f} s to prefill on "
-                f"this worker; {what} allows {max(limit, 0):.0f} s")
+                f"this worker; {what} allows {max(limit, 0):.0f} s"), by_deadline
 
     def _ack_del(self, lane: str, entry_id: str) -> None:
         stream = self.ident.stream(lane)

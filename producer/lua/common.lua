@@ -63,7 +63,8 @@ end
 -- SUBMIT stored the batch's key names (built by producer/keys.py) in the job hash.
 local function count_in_batch(job, status)
   local b = redis.call('HMGET', job, 'bkey', 'bdone', 'bitem')
-  if not b[1] then return end
+  -- a batch whose record is gone (finished and expired) is not recreated as a stub
+  if not b[1] or redis.call('EXISTS', b[1]) == 0 then return end
   redis.call('HINCRBY', b[1], status == 'finished' and 'completed' or 'failed', 1)
   redis.call('HINCRBY', b[1], 'n_' .. status, 1)
   redis.call('RPUSH', b[2], b[3])
