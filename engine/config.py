@@ -23,8 +23,10 @@ class EngineConfig:
     seed: int = 0  # seed of the generator for requests without their own seed
     # "dummy": random weights from config.json alone (benchmarks: no checkpoint needed)
     load_format: str = "auto"
-    # schedule and launch step N+1 before step N's tokens reach the host (engine/pipeline.py)
-    async_scheduling: bool = True
+    # schedule and launch step N+1 before step N's tokens reach the host (engine/pipeline.py).
+    # None: on for CUDA; off on the CPU, where a step computes as it is launched, so the
+    # pipeline overlaps nothing and would only hold every token back one step
+    async_scheduling: bool | None = None
     # "priority": waiting requests by (priority, arrival); a waiting request may preempt a
     # running one of lower priority for a seat or KV blocks. "fcfs": arrival order only.
     scheduling_policy: str = "priority"

@@ -54,9 +54,12 @@ class LLMEngine(OfflineMixin):
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids, self.config.seed)
         self._live: dict[str, _Live] = {}
         self.pipeline = StepPipeline(self.runner, self.sampler, self.scheduler, self._live,
-                                     self._advance, self.max_model_len,
-                                     self.config.async_scheduling)
+                                     self._advance, self.max_model_len, self._async())
         self.last_step_tokens = 0  # tokens computed by the step the last step() launched
+
+    def _async(self) -> bool:
+        on = self.config.async_scheduling
+        return self.runner.device.type == "cuda" if on is None else on
 
     def _fit_max_model_len(self) -> int:
         """One sequence of max_model_len tokens must fit the KV cache: an explicit

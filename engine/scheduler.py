@@ -43,6 +43,7 @@ from engine.config import EngineConfig
 from engine.sequence import SeqStatus, Sequence
 
 RUNNING = SeqStatus.RUNNING
+MAX_HELD_STEPS = 4  # see schedule(): lower-priority prefills wait at most this many steps
 
 
 def _priority_key(s: Sequence) -> tuple[int, int]:
@@ -72,6 +73,7 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}  # every unfinished request
         self.num_preemptions_total = 0
         self.finished_in_schedule: list[Sequence] = []
+        self._held_steps = 0  # consecutive steps that held lower-priority prefills back
         # tokens one step may compute; a caller on a slow device may lower it (never above
         # max_num_batched_tokens) so that each step stays short: LLMEngine.set_step_budget
         self.step_token_budget = config.max_num_batched_tokens
@@ -174,6 +176,16 @@ class Scheduler:
         self.finished_in_schedule = []
         budget = self.step_token_budget
 
+        # Priority policy: once a step prefills a request, requests of lower priority get only
+        # their decode token in it (no prefill chunk, no admission), so a higher request's
+        # first token follows a short step, not a long batch of lower prefills. At most
+        # MAX_HELD_STEPS steps in a row hold lower prefills back: they are never starved.
+        hold = self.by_priority and self._held_steps < MAX_HELD_STEPS
+        # the highest priority this step prefills: the first waiting request's (admitting is
+        # prefilling), or a running one's (running is in queue order: the first prefill)
+        floor = self.waiting[0].priority if hold and self.waiting else None
+        held = False
+
         # hot loop (every running request, every step): locals, no property calls
         running, capacity, chunked = RUNNING, bm.capacity_tokens, cfg.enable_chunked_prefill
         allocate, seqs, counts = bm.allocate_slots, batch.seqs, batch.num_new_tokens
@@ -184,6 +196,12 @@ class Scheduler:
             if num_tokens > capacity and self._drop_overflow(seq):
                 continue
             left = num_tokens - seq.num_computed_tokens
+            if left > 1 and hold:
+                if floor is None or seq.priority > floor:
+                    floor = seq.priority
+                elif seq.priority < floor:
+                    held = True
+                    continue
             n = left if left < budget else budget
             if n <= 0 or (n < left and not chunked):
                 continue
@@ -201,6 +219,9 @@ class Scheduler:
         kv_short = bool(batch.preempted)
         while not kv_short and self.waiting and budget > 0:
             seq = self.waiting[0]
+            if hold and floor is not None and seq.priority < floor:
+                held = True
+                break
             if self._drop_overflow(seq):
                 continue
             if len(self.running) >= cfg.max_num_seqs:
@@ -225,6 +246,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        self._held_steps = self._held_steps + 1 if held else 0
         return batch
 
     def _outranks(self, seq: Sequence) -> bool:

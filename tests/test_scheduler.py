@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import MAX_HELD_STEPS, Scheduler
 from engine.sequence import SeqStatus, Sequence
 
 _ids = itertools.count()
@@ -146,14 +146,34 @@ def test_victim_is_lowest_priority_then_latest_arrival():
     a = req(sched, range(4), priority=0)
     b = req(sched, range(10, 14), priority=1)
     c = req(sched, range(20, 24), priority=0)
-    run_step(sched)  # admitted by priority: b, a, c
-    assert (b.block_table, a.block_table, c.block_table) == ([0], [1], [2])
+    assert scheduled(run_step(sched)) == [(b, 4)]  # b's prefill holds lower prefills back
+    assert scheduled(run_step(sched)) == [(b, 1), (a, 4), (c, 4)]
+    assert (b.block_table, a.block_table, c.block_table) == ([0, 1], [2], [3])
     assert sched.running == [b, a, c]  # running order is queue order too
     batch = run_step(sched)
     assert batch.preempted == [c] and scheduled(batch) == [(b, 1), (a, 1)]
-    assert b.block_table == [0, 3] and a.block_table == [1, 2]
-    batch = run_step(sched)  # a, b both fit (5, 6 tokens in 2 blocks)
+    assert a.block_table == [2, 3]
+    batch = run_step(sched)  # a, b both fit (7, 8 tokens in 2 blocks)
     assert batch.preempted == [] and scheduled(batch) == [(b, 1), (a, 1)]
+
+
+def test_a_prefill_holds_lower_priority_prefills_back_a_few_steps_at_most():
+    sched, bm = make(num_blocks=64, budget=64, max_seqs=16)
+    sched.step_token_budget = 4
+    low = req(sched, range(8), max_tokens=20)
+    assert scheduled(run_step(sched)) == [(low, 4)]  # half its prompt
+    sched.step_token_budget = 64
+    steps = []
+    for i in range(6):  # a new higher-priority prompt every step
+        high = req(sched, range(100 + 10 * i, 104 + 10 * i), max_tokens=20, priority=1)
+        steps.append(scheduled(run_step(sched)))
+        assert (high, 4) in steps[-1]
+    low_prefill = [i for i, st in enumerate(steps) if (low, 4) in st]
+    assert low_prefill == [MAX_HELD_STEPS]  # held back that many steps, then it runs
+    assert all((low, 1) in st for st in steps[MAX_HELD_STEPS + 1:])  # and then decodes
+    fcfs, _ = make(num_blocks=64, budget=8, max_seqs=8, policy="fcfs")
+    x, y = req(fcfs, range(4)), req(fcfs, range(10, 14), priority=1)
+    assert scheduled(run_step(fcfs)) == [(x, 4), (y, 4)]  # fcfs holds nothing back
 
 
 def test_preempting_an_already_scheduled_request_refunds_and_uncaches():
