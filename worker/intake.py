@@ -26,7 +26,8 @@ from worker.pacing import StepPacer
 from worker.publisher import Publisher
 from worker.recovery import reclaim
 
-DLQ_BODY_CHARS = 4096  # a dead-lettered body is kept this long: enough to see what it was
+DLQ_BODY_CHARS = 4096
+LOWER_LANE_POLL_S = 0.1  # a busy worker looks at an empty lower lane this often  # a dead-lettered body is kept this long: enough to see what it was
 
 
 class Intake:
@@ -43,7 +44,10 @@ class Intake:
         self._start = lua.Script(self.r, lua.START)
         self._reject = lua.Script(self.r, lua.REJECT)
         self.round_trips = 0  # Redis round trips of the engine thread (bench/service.py)
-        self._next_reclaim = self._next_poll = 0.0
+        self._next_reclaim = 0.0
+        # while the engine is busy, a lane whose last read was empty is read again only
+        # after intake_poll_ms (the first lane) or LOWER_LANE_POLL_S (the others)
+        self._next_poll = dict.fromkeys(ident.lanes, 0.0)
         self._claim_cursor = {lane: "0-0" for lane in ident.lanes}
         self._floor = lanes.floor_seats(engine.config.max_num_seqs, self.s.lane_min_share)
 
@@ -88,11 +92,7 @@ class Intake:
                     self.log.info("entry_reclaimed", entry_id=c.entry_id, lane=lane,
                                   deliveries=c.deliveries)
                     self._admit(lane, c.entry_id, c.fields, c.deliveries)
-        busy = self.engine.has_unfinished()
-        if busy and time.monotonic() < self._next_poll:
-            return True
-        got = self._read_new(busy)
-        self._next_poll = 0.0 if got else time.monotonic() + self.s.intake_poll_ms / 1000.0
+        self._read_new(self.engine.has_unfinished())
         return True
 
     def _own_pending(self, lane: str, room: int) -> bool:
@@ -125,17 +125,24 @@ class Intake:
                     got += 1
                     self._admit(self._lane_of[stream], entry_id, fields, 1)
             return got
-        for lane in self.ident.lanes:
+        now = time.monotonic()
+        for rank, lane in enumerate(self.ident.lanes):
+            if now < self._next_poll[lane]:
+                continue
             room = self._rooms()[lane]
             if room <= 0:
                 continue
             self.round_trips += 1
             resp = self.r.xreadgroup(GROUP, self.worker_id, {self.ident.stream(lane): ">"},
                                      count=room)
+            n = 0
             for _stream, entries in resp or []:
                 for entry_id, fields in entries:
-                    got += 1
+                    n += 1
                     self._admit(lane, entry_id, fields, 1)
+            wait = self.s.intake_poll_ms / 1000.0 if rank == 0 else LOWER_LANE_POLL_S
+            self._next_poll[lane] = 0.0 if n else now + wait
+            got += n
         return got
 
     @functools.cached_property
