@@ -116,6 +116,8 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=2.0, help="interactive jobs per second")
     ap.add_argument("--interactive-max-tokens", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the worker's step token budget (default: the engine's, 2048)")
     ap.add_argument("--out", default=None, help="write the JSON result into this folder")
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -123,7 +125,9 @@ def main() -> int:
     if args.shape:
         from offline import model_folder
         model = ["--model", model_folder(args.shape), "--load-format", "dummy",
-                 "--max-model-len", "4096", "--max-num-batched-tokens", "16384"]
+                 "--max-model-len", "4096"]
+    if args.max_num_batched_tokens:
+        model += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     with RedisServer() as srv:
         log_path = os.path.join(srv.dir, "worker.log")
         cmd = [sys.executable, "-m", "worker.cli", "--redis-url", srv.url, "--prefix", "bench",
@@ -137,6 +141,7 @@ def main() -> int:
             w.send_signal(signal.SIGTERM)
             w.wait(120)
     res.update(shape=args.shape or "smollm2-cpu", max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens or 2048,
                rate=args.rate, interactive=args.interactive)
     print(json.dumps(res))
     print(f"interactive TTFT idle p50/p99 {res['idle_ttft_p50']:.3f}/{res['idle_ttft_p99']:.3f} s"
@@ -146,7 +151,8 @@ def main() -> int:
           f"{res['batch_seconds']:.1f} s ({res['batch_tok_s']:.0f} tok/s)")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"lanes-{res['shape']}.json"), "w") as f:
+        name = f"lanes-{res['shape']}-{res['max_num_seqs']}-{res['max_num_batched_tokens']}.json"
+        with open(os.path.join(args.out, name), "w") as f:
             json.dump(res, f, indent=1)
     return 0 if res["batch_finished"] == res["batch_jobs"] else 1
 

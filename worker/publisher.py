@@ -86,10 +86,12 @@ class Publisher:
     def register(self, job_id: str, attempt: int, next_index: int) -> None:
         self._q.put(("reg", job_id, attempt, next_index))
 
-    def tokens(self, batch: list[TokenDelta]) -> None:
-        """One TokenDelta for every (job, choice) with new tokens this step."""
+    def tokens(self, batch: list[TokenDelta], urgent: bool = False) -> None:
+        """One TokenDelta for every (job, choice) with new tokens this step. ``urgent``:
+        the batch holds a first token someone waits for (an interactive job's): it is
+        never held back for coalescing."""
         if batch:
-            self._q.put(("tok", batch))
+            self._q.put(("tok", batch, urgent))
 
     def final(self, f: Final) -> None:
         self._q.put(("fin", f))
@@ -119,7 +121,7 @@ class Publisher:
         while not self._stop.is_set():
             items = [self._q.get()]
             first = items[0]
-            if (self.s.coalesce_ms > 0 and first[0] == "tok"
+            if (self.s.coalesce_ms > 0 and first[0] == "tok" and not first[2]
                     and len(first[1]) >= self.s.coalesce_min_batch):
                 # a large batch: hold its deltas a few ms so the next steps' merge into
                 # the same events (fewer, larger events; bounded added latency)

@@ -195,7 +195,7 @@ class Worker:
     # ---- results ----------------------------------------------------------------------
     def _emit(self, outs: list) -> None:
         batch, now, ended = [], time.monotonic(), []
-        jobs = self.jobs
+        jobs, top, urgent = self.jobs, self.ident.lanes[0], False
         for o in outs:
             rid, k = o.request_id, 0
             job = jobs.get(rid)  # n == 1: the request id is the job id
@@ -208,6 +208,7 @@ class Worker:
                     continue
             if job.last_token_at is None:
                 self.metrics.ttft.labels(job.lane).observe(now - job.admitted_at)
+                urgent = urgent or job.lane == top
             else:
                 self.metrics.itl.observe(now - job.last_token_at)
             job.last_token_at = now
@@ -223,7 +224,7 @@ class Worker:
             batch.append((rid, job.attempt, None if job.request.n == 1 else k, o.delta,
                           o.new_token_ids, lp, fr))
         self.metrics.generation_tokens.inc(len(batch))
-        self.publisher.tokens(batch)
+        self.publisher.tokens(batch, urgent)
         for job in ended:
             self._final(job, Status.finished, job.finish_reason())
 
