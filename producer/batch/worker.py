@@ -13,6 +13,7 @@ worker stops an ingest at once; every job is safe to run again.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import redis
@@ -20,6 +21,8 @@ import redis
 from ..settings import Settings
 from .runtime import Runtime, configure, new_token, runtime
 from .settings import MAX_WINDOW_S, BatchSettings
+
+EXIT_WATCHDOG_FAULT = 71  # as a pagedq worker's fault in a thread (worker/fatal.py)
 
 
 def rearm_stale(rt: Runtime) -> int:
@@ -48,8 +51,11 @@ class Watchdog(threading.Thread):
                 n = rearm_stale(self.rt)
                 if n:
                     self.log.warning("pagedq batch watchdog: restarted %d stalled batch(es)", n)
-            except Exception as e:  # Redis away, or a bad record: try again next round
+            except (redis.RedisError, ValueError, KeyError) as e:  # Redis away, a bad record
                 self.log.warning("pagedq batch watchdog: %s: %s", type(e).__name__, e)
+            except Exception:  # a bug: end the process rather than run without a watchdog
+                self.log.critical("pagedq batch watchdog failed", exc_info=True)
+                os._exit(EXIT_WATCHDOG_FAULT)
 
 
 def run_worker(redis_url: str, prefix: str, settings: Settings, bs: BatchSettings, *,
