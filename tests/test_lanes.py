@@ -44,7 +44,10 @@ def test_an_interactive_job_goes_ahead_of_a_queued_batch(svc):
     c = svc.client()
     bulk = [c.submit(f"bulk {i}", max_tokens=60, ignore_eos=True, lane="batch")
             for i in range(6)]
-    time.sleep(0.5)  # the first bulk jobs are running
+    deadline = time.monotonic() + 60
+    while sum(c.status(j).status == "running" for j in bulk) < 2:  # both seats are bulk's
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     urgent = c.submit("urgent", max_tokens=4, ignore_eos=True)
     order = started_order(c, bulk + [urgent])
     assert order.index(urgent) <= 2, order  # at most the two bulk jobs running when it came
@@ -127,3 +130,27 @@ def test_a_dead_workers_batch_jobs_are_taken_over(svc):
     for j in jobs:
         rec = c.result(j, timeout=120)
         assert rec.status == "finished" and rec.attempt == 2 and rec.usage.completion_tokens == 30
+
+
+def test_worker_lane_flags_and_the_submit_cli_lane_and_priority(svc, monkeypatch, capsys):
+    """--lanes, --lane-min-share and --scheduling-policy on a real worker; pagedq submit
+    --lane/--priority through the CLI onto a lane only this deployment has."""
+    from producer.cli import main
+
+    w = svc.worker(extra=["--lanes", "urgent,interactive,batch", "--lane-min-share", "0.5",
+                          "--scheduling-policy", "fcfs"])
+    c = svc.client(lanes=("urgent", "interactive", "batch"))
+    monkeypatch.setenv("PAGEDQ_LANES", "urgent,interactive,batch")
+    args = ["--redis-url", svc.server.url, "--prefix", c.keys.prefix, "submit", "hi",
+            "--model", MODEL, "--max-tokens", "3", "--lane", "urgent", "--priority", "5",
+            "--wait", "--timeout", "120"]
+    assert main(args) == 0, capsys.readouterr()
+    job_id = capsys.readouterr().err.strip().splitlines()[-1]
+    rec = c.status(job_id)
+    assert rec.status == "finished" and rec.usage.completion_tokens == 3
+    assert c.redis.hget(c.keys.job(job_id), "lane") == "urgent"
+    assert c.keys.jobs(MODEL, "urgent") in w.log(None)  # the worker reads the lane it was given
+    assert main([*args[:4], "submit", "x", "--lane", "nope"]) == 2  # one line, not a trace
+    assert "lane 'nope' is not one of" in capsys.readouterr().err
+    monkeypatch.delenv("PAGEDQ_LANES")
+    assert main([*args[:4], "submit", "x", "--lane", "urgent"]) == 2  # not in the defaults
