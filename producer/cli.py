@@ -25,25 +25,24 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
-import redis
-
 from .client import Client
-from .errors import InvalidRequest, JobConflict, JobNotFound, Overloaded, PagedqError, ResultTimeout
+from .exits import (  # noqa: F401 - the exit codes are this module's public names too
+    EXIT_ERROR,
+    EXIT_INVALID,
+    EXIT_JOB_CANCELLED,
+    EXIT_JOB_EXPIRED,
+    EXIT_JOB_FAILED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_TIMEOUT,
+    guarded,
+)
 from .schema import FinalEvent, FinishReason, JobRecord, JobRequest, Status, TokenEvent
 from .settings import Settings
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_INVALID = 2
-EXIT_NOT_FOUND = 3
-EXIT_TIMEOUT = 4
-EXIT_REFUSED = 5
-EXIT_JOB_FAILED = 6
-EXIT_JOB_CANCELLED = 7
-EXIT_JOB_EXPIRED = 8
 
 # The table above, for --help epilogs (pagedq, python -m producer.cli).
 EXIT_CODES_HELP = "exit codes of the client commands:\n" + __doc__.split(
@@ -91,30 +90,6 @@ def add_version(parser: argparse.ArgumentParser) -> None:
 def _client(args: argparse.Namespace) -> Client:
     return Client(getattr(args, "redis_url", None), prefix=getattr(args, "prefix", None),
                   model=getattr(args, "model", None))
-
-
-def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Typed errors -> one line on stderr + exit code, never a traceback."""
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except KeyboardInterrupt:
-            return 130
-        except (InvalidRequest, ValueError) as e:  # ValueError: bad --prefix/--model, settings
-            code, msg = EXIT_INVALID, str(e)
-        except JobNotFound as e:
-            code, msg = EXIT_NOT_FOUND, f"job not found: {e.args[0] if e.args else ''}"
-        except ResultTimeout as e:
-            code, msg = EXIT_TIMEOUT, str(e)
-        except (Overloaded, JobConflict) as e:
-            code, msg = EXIT_REFUSED, str(e)
-        except (PagedqError, redis.RedisError) as e:
-            code, msg = EXIT_ERROR, f"{type(e).__name__}: {e}"
-        except Exception as e:  # a CLI reports, it does not trace back
-            code, msg = EXIT_ERROR, f"{type(e).__name__}: {e}"
-        print(f"pagedq: {' '.join(msg.split())}", file=sys.stderr)
-        return code
-    return run
 
 
 def exit_code_of(status: Status | str, finish_reason: str) -> int:
@@ -242,11 +217,11 @@ def register(subparsers: argparse._SubParsersAction,
     p.add_argument("--timeout", type=float, metavar="S",
                    help="--stream: most seconds without a token; --wait: most seconds in all "
                         "(default: none, wait forever); exit 4 when it runs out")
-    p.set_defaults(func=_guarded(cmd_submit))
+    p.set_defaults(func=guarded(cmd_submit))
 
     p = add("status", "print a job's record as JSON")
     p.add_argument("id", metavar="ID")
-    p.set_defaults(func=_guarded(cmd_status))
+    p.set_defaults(func=guarded(cmd_status))
 
     p = add("result", "wait for a job to end, print its final text; the exit code "
                       "tells how it ended")
@@ -254,12 +229,12 @@ def register(subparsers: argparse._SubParsersAction,
     p.add_argument("--timeout", type=float, metavar="S",
                    help="most seconds to wait (default: none, wait forever); exit 4 when it "
                         "runs out")
-    p.set_defaults(func=_guarded(cmd_result))
+    p.set_defaults(func=guarded(cmd_result))
 
     p = add("cancel", "cancel a queued or running job; prints its status after the request "
                       "(cancelled, or running until it stops); exit 1 if it had already ended")
     p.add_argument("id", metavar="ID")
-    p.set_defaults(func=_guarded(cmd_cancel))
+    p.set_defaults(func=guarded(cmd_cancel))
     from .batch.cli import register as register_batch  # `pagedq batch ...` (docs/batches.md)
     register_batch(subparsers, parents)
 

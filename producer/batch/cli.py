@@ -22,18 +22,26 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 
-import redis
-
-from ..errors import InvalidRequest, JobNotFound, PagedqError, ResultTimeout
+from ..errors import InvalidRequest, JobNotFound, ResultTimeout
+from ..exits import (  # the batch commands' codes are the job commands' (docs/batches.md)
+    EXIT_ERROR,
+    EXIT_INVALID,  # noqa: F401 - public: bad input
+    EXIT_JOB_CANCELLED,
+    EXIT_JOB_EXPIRED,
+    EXIT_JOB_FAILED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_TIMEOUT,  # noqa: F401 - public: --timeout ran out
+    guarded,
+)
 from ..settings import Settings
 from .api import Batches
 from .record import Batch, BatchStateError
 from .record import BatchStatus as S
 from .settings import BatchSettings
 
-# the same numbers as producer/cli.py's (tests/test_batch_cli.py checks they agree)
-EXIT_OK, EXIT_ERROR, EXIT_INVALID, EXIT_NOT_FOUND, EXIT_TIMEOUT = 0, 1, 2, 3, 4
-EXIT_FAILED, EXIT_CANCELLED, EXIT_EXPIRED = 6, 7, 8
+# the job commands' numbers (producer/cli.py): a batch ends as a job does
+EXIT_FAILED, EXIT_CANCELLED, EXIT_EXPIRED = EXIT_JOB_FAILED, EXIT_JOB_CANCELLED, EXIT_JOB_EXPIRED
 EXIT_OF_STATUS = {S.completed: EXIT_OK, S.failed: EXIT_FAILED, S.cancelled: EXIT_CANCELLED,
                   S.expired: EXIT_EXPIRED}
 HINT_AFTER_S = 5.0  # a batch still waiting after this long gets a hint on what is missing
@@ -52,29 +60,22 @@ def _batches(args: argparse.Namespace) -> Batches:
                    model=getattr(args, "model", None), batch_settings=BatchSettings(**kw))
 
 
+def _batch_error(e: Exception) -> tuple[int, str] | None:
+    """The batch commands' errors that the job commands' mapping (producer/cli.py) would
+    word or number differently."""
+    if isinstance(e, InvalidRequest | ValueError | ResultTimeout):
+        return None
+    if isinstance(e, JobNotFound):  # BatchNotFound
+        return EXIT_NOT_FOUND, f"batch not found: {e.args[0] if e.args else ''}"
+    if isinstance(e, ImportError):
+        return EXIT_ERROR, f"{e}: batches need rq (pip install 'rq>=2.0')"
+    if isinstance(e, BatchStateError):
+        return EXIT_ERROR, str(e)
+    return EXIT_ERROR, f"{type(e).__name__}: {e}"
+
+
 def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Typed errors -> one line on stderr + exit code, never a traceback."""
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except KeyboardInterrupt:
-            return 130
-        except (InvalidRequest, ValueError) as e:
-            code, msg = EXIT_INVALID, str(e)
-        except JobNotFound as e:  # BatchNotFound
-            code, msg = EXIT_NOT_FOUND, f"batch not found: {e.args[0] if e.args else ''}"
-        except ResultTimeout as e:
-            code, msg = EXIT_TIMEOUT, str(e)
-        except ImportError as e:
-            code, msg = EXIT_ERROR, f"{e}: batches need rq (pip install 'rq>=2.0')"
-        except (BatchStateError, PagedqError, redis.RedisError, OSError) as e:
-            code, msg = EXIT_ERROR, str(e) if isinstance(e, BatchStateError) else \
-                f"{type(e).__name__}: {e}"
-        except Exception as e:  # a CLI reports, it does not trace back
-            code, msg = EXIT_ERROR, f"{type(e).__name__}: {e}"
-        print(f"pagedq: {' '.join(msg.split())}", file=sys.stderr)
-        return code
-    return run
+    return guarded(fn, _batch_error)
 
 
 # ---------------------------------------------------------------- following a batch
