@@ -25,6 +25,8 @@ from tests.worker_proc import ROOT, WorkerProc
 from worker.redis_server import RedisServer
 
 PREFIX = "rel"  # tests/tiny_service.py's
+# at the service's 0.02 s a step, a round of LONG_TOKENS-token jobs takes over a second
+LONG_TOKENS = 60
 FAST = {"PAGEDQ_BATCH_POLL_S": "0.2", "PAGEDQ_BATCH_LEASE_S": "2",
         "PAGEDQ_BATCH_EXPIRY_GRACE_S": "1"}
 
@@ -161,13 +163,16 @@ def until(cond, what: str, timeout: float = 60.0, every: float = 0.02):
 
 
 def write_input(path: Path, n: int, bad: bool = True, max_tokens: int = 3,
-                fail: bool = False) -> tuple[set, set]:
+                fail: bool = False, long_from: int | None = None) -> tuple[set, set]:
     """n valid lines (completions and chat, one with n=2, two with logprobs), plus one
-    that fails (``fail``) and invalid lines of every kind (``bad``). Returns (valid
-    custom_ids, invalid line numbers)."""
+    that fails (``fail``) and invalid lines of every kind (``bad``); lines from
+    ``long_from`` on ask for LONG_TOKENS tokens. Returns (valid custom_ids, invalid line
+    numbers)."""
     rows, valid = [], set()
     for i in range(n):
         cid = f"req-{i}"
+        if long_from is not None and i >= long_from:
+            max_tokens = LONG_TOKENS
         if i % 3 == 0:
             body = {"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": max_tokens,
                     "temperature": 0}
@@ -295,7 +300,8 @@ def test_batch_completes_counts_exact_every_custom_id_once(env, tmp_path, capsys
 def test_partial_results_live_status_then_cancel(env, tmp_path, capsys):
     w = env.pagedq_worker
     src = tmp_path / "in.jsonl"
-    valid, _ = write_input(src, 200, bad=False, max_tokens=4)
+    # long lines after the first 30: the batch is surely midway when the worker is frozen
+    valid, _ = write_input(src, 200, bad=False, max_tokens=4, long_from=30)
     with env.batches() as bt:
         b = bt.create(src)
         until(lambda: bt.retrieve(b.id).request_counts.completed >= 20, "20 requests done")
@@ -337,7 +343,10 @@ def test_window_runs_out_expired_then_retry_of_the_expired_lines(env, tmp_path):
     # a queue of its own, with a long grace: the service expires the jobs by their deadline
     env.rq("win", PAGEDQ_BATCH_EXPIRY_GRACE_S="30")
     src = tmp_path / "in.jsonl"
-    valid, _ = write_input(src, 120, bad=False, max_tokens=4)
+    # ten short lines, then long ones: at 16 seats and 0.02 s a step the long ones need
+    # seven rounds of over a second each, so most are still queued when the worker is
+    # frozen (the test's assertions do not depend on how fast the machine is)
+    valid, _ = write_input(src, 120, bad=False, max_tokens=4, long_from=10)
     with env.batches(batch_queue="win") as bt:
         b = bt.create(src, completion_window="5s")
         until(lambda: bt.retrieve(b.id).request_counts.completed >= 5, "5 requests done")
