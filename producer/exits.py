@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from .connection import RedisUnusable, is_fatal
 from .errors import InvalidRequest, JobConflict, JobNotFound, Overloaded, ResultTimeout
 
 EXIT_OK = 0
@@ -31,10 +32,28 @@ def guarded(fn: Callable[[argparse.Namespace], int],
         except KeyboardInterrupt:
             return 130
         except Exception as e:  # a CLI reports, it does not trace back
-            code, msg = first(e) or _job_error(e)
+            code, msg = _unusable(e, args) or first(e) or _job_error(e)
         print(f"pagedq: {' '.join(msg.split())}", file=sys.stderr)
         return code
     return run
+
+
+def _unusable(e: Exception, args: argparse.Namespace) -> tuple[int, str] | None:
+    """Redis refusing the credentials or the TLS set-up, for every command group alike:
+    ``cannot use Redis at <redacted url>: why``, exit 1 (producer/connection.py)."""
+    if not is_fatal(e):
+        return None
+    if not isinstance(e, RedisUnusable):  # raised outside a client's retry loop
+        url = getattr(args, "redis_url", None)
+        if not url:
+            from .settings import Settings
+
+            try:
+                url = Settings().redis_url
+            except ValueError:
+                url = "?"
+        e = RedisUnusable(url, e)
+    return EXIT_ERROR, str(e)
 
 
 def _job_error(e: Exception) -> tuple[int, str]:

@@ -39,6 +39,7 @@ from typing import Any
 
 import redis
 
+from .connection import redis_kwargs
 from .errors import EventsTrimmed, JobNotFound, ResultTimeout
 from .keys import Keys, check_name, index_of_entry_id
 from .schema import TERMINAL, Event, FinalEvent, JobRecord, TokenEvent, parse_event
@@ -52,6 +53,8 @@ READ_COUNT = 1000  # out-stream entries per XREAD
 
 # What a Redis restart looks like to a client: refused or cut connections, timeouts, and
 # LOADING replies while it loads its AOF (redis.BusyLoadingError is a ConnectionError).
+# Not retried although ConnectionErrors: wrong credentials and TLS certificate errors
+# (producer/connection.py ``is_fatal``); the shells raise them as RedisUnusable.
 RETRYABLE: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
 RETRY_FIRST_S = 0.05  # first backoff; doubled per failure up to RETRY_CAP_S
 RETRY_CAP_S = 1.0
@@ -66,13 +69,15 @@ def client_setup(redis_url: str | None, prefix: str | None, model: str | None,
     come from ``Settings()`` (PAGEDQ_* environment). ``pool``: the arguments of
     ``BlockingConnectionPool.from_url``: decoded replies, a call waits for a free
     connection (no timeout) rather than failing, a socket timeout longer than any BLOCK,
-    and none of redis-py's retry options: the shells' ``_retry`` is the only retry."""
+    none of redis-py's retry options (the shells' ``_retry`` is the only retry), and the
+    credentials and TLS files of ``settings`` (producer/connection.py)."""
     settings = settings or Settings()
     keys = Keys(prefix or settings.prefix)
     model = check_name("model", model or settings.model)
-    pool = dict(url=redis_url or settings.redis_url, decode_responses=True, timeout=None,
+    url = redis_url or settings.redis_url
+    pool = dict(url=url, decode_responses=True, timeout=None,
                 max_connections=settings.client_max_connections,
-                socket_timeout=SOCKET_TIMEOUT_S)
+                socket_timeout=SOCKET_TIMEOUT_S, **redis_kwargs(settings, url))
     return settings, keys, model, pool
 
 
@@ -164,15 +169,19 @@ class LastEntry(Command):
 
 @dataclass(frozen=True, slots=True)
 class JobHead(Command):
-    """``MULTI; HGETALL job; XREVRANGE out + - COUNT 1; EXEC`` -> [hash, last entries]:
-    the job hash and its log's tail, atomically."""
+    """``XREVRANGE out + - COUNT 1`` then ``HGETALL job``, pipelined (one round trip, no
+    MULTI: a read-only user may send it) -> [last entries, hash]. In that order on purpose:
+    a hash that is not terminal was not terminal when the tail was read either (the final
+    event and the terminal status are written in one script), so the tail read is before
+    the final event and an XREAD after it will see the final event."""
     job: str
     out: str
 
     def call(self, r: Any, ps: Any = None) -> Any:
-        # execute() resets the pipeline (gives its connection back) however it ends
-        return r.pipeline(transaction=True).hgetall(self.job).xrevrange(
-            self.out, "+", "-", count=1).execute()
+        # execute() raises the first error reply, and resets the pipeline (gives its
+        # connection back) however it ends
+        return r.pipeline(transaction=False).xrevrange(self.out, "+", "-", count=1).hgetall(
+            self.job).execute()
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,7 +371,7 @@ def wait_result(keys: Keys, job_id: str, timeout: float | None = None,
     job, out = keys.job(checked_id(job_id)), keys.out(job_id)
     start = clock()
     while True:
-        h, last = yield JobHead(job, out)
+        last, h = yield JobHead(job, out)
         if not h:
             raise JobNotFound(job_id)
         if h.get("status") in TERMINAL:

@@ -8,17 +8,33 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .keys import check_lane
+from .keys import check_lane, check_name
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PAGEDQ_", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Redis credentials and TLS (docs/deployment.md "TLS and secrets"; producer/connection.py
+    # turns them into redis-py's arguments for every connection). The password need never
+    # be on a command line: PAGEDQ_REDIS_PASSWORD, or PAGEDQ_REDIS_PASSWORD_FILE (a Docker or
+    # Kubernetes secret file, read at start), or the URL; only one of them.
+    redis_username: str | None = None  # an ACL user (default: the URL's, else "default")
+    redis_password: SecretStr | None = None
+    redis_password_file: str | None = None
+    # TLS needs a rediss:// URL; the files are PEM paths
+    redis_tls_ca: str | None = None  # CA of the server's certificate (default: the system's)
+    redis_tls_cert: str | None = None  # client certificate (for tls-auth-clients yes)
+    redis_tls_key: str | None = None  # its private key (default: in the certificate file)
+    redis_tls_insecure: bool = False  # skip verifying the server's certificate: tests only
     prefix: str = "pagedq"
+    # the tenants a worker serves: their key prefixes (comma-separated in the environment:
+    # PAGEDQ_PREFIXES=a,b); empty = just ``prefix``. Clients use ``prefix`` alone
+    # (docs/security.md "Tenants").
+    prefixes: Annotated[tuple[str, ...], NoDecode] = ()
     model: str = "smollm2"  # served model name = jobs stream name
 
     # lanes: the jobs streams of a model, highest first (comma-separated in the environment:
@@ -77,6 +93,25 @@ class Settings(BaseSettings):
     max_prefill_s: float = Field(0.0, ge=0)
     metrics_port: int = Field(0, ge=0)  # 0 = no HTTP metrics endpoint
     metrics_host: str = "127.0.0.1"  # address the metrics endpoint binds (0.0.0.0 = all)
+    # the metrics endpoint's /healthz and /readyz answer 503 once the engine loop has not
+    # run for this long (a wedged step; worker/health.py); keep it under step_watchdog_s
+    health_max_silence_s: float = Field(60.0, gt=0)
+
+    @property
+    def served_prefixes(self) -> tuple[str, ...]:
+        """The prefixes a worker serves, ``prefixes`` or else ``(prefix,)``."""
+        return self.prefixes or (self.prefix,)
+
+    @field_validator("prefixes", mode="before")
+    @classmethod
+    def _prefixes(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = tuple(x.strip() for x in v.split(",") if x.strip())
+        if not isinstance(v, list | tuple):
+            raise ValueError("prefixes must be a comma-separated list of prefixes")
+        if len(set(v)) != len(v):
+            raise ValueError(f"prefixes must be distinct: {','.join(v)}")
+        return tuple(check_name("prefix", x) for x in v)
 
     @field_validator("lanes", mode="before")
     @classmethod

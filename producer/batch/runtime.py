@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import redis
-
 from ..client import Client
+from ..connection import connect
 from ..keys import Keys
 from ..settings import Settings
 from .settings import BatchSettings
@@ -28,11 +27,13 @@ TICK_FUNC = "producer.batch.jobs.tick"
 FAILURE_TTL_S = 86400
 
 
-def make_queue(redis_url: str, name: str) -> Any:
+def make_queue(redis_url: str, name: str, settings: Settings) -> Any:
+    """The rq queue ``name`` on its own connection, with the settings' credentials and TLS
+    (rq hands that connection's arguments on to its scheduler process)."""
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    return Queue(name, connection=redis.Redis.from_url(redis_url), serializer=JSONSerializer)
+    return Queue(name, connection=connect(settings, redis_url), serializer=JSONSerializer)
 
 
 def new_token() -> str:
@@ -69,7 +70,7 @@ class Runtime:
     def queue(self, name: str | None = None) -> Any:
         name = name or self.bs.batch_queue
         if name not in self.queues:
-            self.queues[name] = make_queue(self.redis_url, name)
+            self.queues[name] = make_queue(self.redis_url, name, self.settings)
         return self.queues[name]
 
     def enqueue_ingest(self, queue: str, batch_id: str, token: str) -> None:

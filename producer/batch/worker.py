@@ -18,6 +18,7 @@ import threading
 
 import redis
 
+from ..connection import connect, probe
 from ..settings import Settings
 from .runtime import Runtime, configure, new_token, runtime
 from .settings import MAX_WINDOW_S, BatchSettings
@@ -66,9 +67,12 @@ def run_worker(redis_url: str, prefix: str, settings: Settings, bs: BatchSetting
 
     configure(redis_url, settings, bs)
     rt = runtime(prefix)
-    rt.r.ping()  # fail here, with one line, if Redis is not there
+    # fail here, with one line, if Redis refuses the credentials or the TLS set-up
+    # (RedisUnusable: "cannot use Redis at ..."), or is not there (a ConnectionError)
+    probe(settings, redis_url)
+    rt.r.ping()
     rearm_stale(rt)
-    worker = SimpleWorker([bs.batch_queue], connection=redis.Redis.from_url(redis_url),
+    worker = SimpleWorker([bs.batch_queue], connection=connect(settings, redis_url),
                           serializer=JSONSerializer, name=name,
                           maintenance_interval=int(max(10, bs.batch_lease_s)))
     dog = Watchdog(rt, worker.log)
