@@ -86,9 +86,9 @@ def expire_unserved(keys: Keys, model: str, lane: str, unserved_timeout_s: float
 
 @dataclass(slots=True)
 class Publish:
-    """One PUBLISH call, built event by event: ``add`` one event per (job, choice)."""
+    """One PUBLISH call, built event by event: ``add`` one event per (job, choice), each
+    with its job's keys (the jobs of one call may belong to several tenants' prefixes)."""
 
-    keys: Keys
     maxlen: int
     idle_ttl_s: int
     call: Call = field(init=False)
@@ -96,9 +96,9 @@ class Publish:
     def __post_init__(self) -> None:
         self.call = Call([], [self.maxlen, self.idle_ttl_s])
 
-    def add(self, job_id: str, attempt: int, index: int, delta: str, token_ids: list[int],
-            logprobs: list[Any] | None, choice: int | None, finish_reason: str | None) -> None:
-        k = self.keys
+    def add(self, k: Keys, job_id: str, attempt: int, index: int, delta: str,
+            token_ids: list[int], logprobs: list[Any] | None, choice: int | None,
+            finish_reason: str | None) -> None:
         self.call.keys.extend((k.job(job_id), k.out(job_id)))
         self.call.args.extend((attempt, index, delta, ",".join(map(str, token_ids)),
                                json.dumps(logprobs) if logprobs else "", k.chan(job_id),

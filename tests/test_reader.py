@@ -208,11 +208,11 @@ def test_status():
 def test_result_waits_past_the_log_tail_until_a_final_event():
     clock = Clock()
     _, rec = play(wait_result(KEYS, "j", timeout=60.0, clock=clock), [
-        (JobHead(JOB, OUT), [RUNNING, last_entry(1, final=False)]),
+        (JobHead(JOB, OUT), [last_entry(1, final=False), RUNNING]),
         (XRead(OUT, out_entry_id(1), READ_COUNT, int(POLL_S * 1000)), xread_reply(2)),
         (XRead(OUT, out_entry_id(2), READ_COUNT, int(POLL_S * 1000)),
          xread_reply(3, final_at=3)),
-        (JobHead(JOB, OUT), [DONE, last_entry(3, final=True)]),
+        (JobHead(JOB, OUT), [last_entry(3, final=True), DONE]),
     ])
     assert rec.status == "finished" and rec.text == "abc"
 
@@ -221,12 +221,12 @@ def test_result_times_out_on_its_clock():
     clock = Clock()
     run = Exchange(wait_result(KEYS, "j", timeout=1.5, clock=clock))
     assert next(run) == JobHead(JOB, OUT)
-    run.reply = [RUNNING, []]
+    run.reply = [[], RUNNING]
     assert next(run) == XRead(OUT, "0-0", READ_COUNT, 1500)
     clock.now += 1.5
     run.reply = []
     assert next(run) == JobHead(JOB, OUT)  # poll over: the hash is re-read first
-    run.reply = [RUNNING, []]
+    run.reply = [[], RUNNING]
     with pytest.raises(ResultTimeout, match="not done after 1.5 s"):
         next(run)
 

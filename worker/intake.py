@@ -5,6 +5,11 @@ the service's table of owned jobs and hands jobs that end at once to ``end_job``
 Invariant: a job enters ``jobs`` only after the START script made this worker its owner
 (attempt bumped, status running); anything that cannot run is dead-lettered and acked in
 one script (REJECT), so no entry is left pending by a live worker.
+
+Tenants: a worker may serve several key prefixes (``ident.tenants``); each has its own
+jobs stream per lane. Lanes keep their order across tenants; one lane's room is shared
+among its tenants' streams in fair shares (worker/tenants.py), and who goes first rotates.
+Every entry is handled with the keys of the tenant whose stream it came from.
 """
 from __future__ import annotations
 
@@ -15,11 +20,11 @@ from collections.abc import Callable
 import redis
 
 from producer import worker_scripts
-from producer.keys import GROUP
+from producer.keys import GROUP, Keys
 from producer.reader import replay
 from producer.schema import FinishReason, JobRequest, Status
 from producer.worker_scripts import Started
-from worker import faults, lanes, lua
+from worker import faults, lanes, lua, tenants
 from worker.jobs import BadEntry, Job, WorkerIdentity, parse_entry, sampling_params
 from worker.metrics import Metrics
 from worker.pacing import StepPacer
@@ -27,7 +32,7 @@ from worker.publisher import Publisher
 from worker.recovery import reclaim
 
 DLQ_BODY_CHARS = 4096
-LOWER_LANE_POLL_S = 0.1  # a busy worker looks at an empty lower lane this often  # a dead-lettered body is kept this long: enough to see what it was
+LOWER_LANE_POLL_S = 0.1  # a busy worker looks at an empty lower lane this often
 
 
 class Intake:
@@ -37,7 +42,7 @@ class Intake:
         """``jobs``: the service's table of owned jobs (intake adds to it, and removes a
         job it dead-letters); ``end_job(job, status, reason, error="")``: how a job that
         ends at admission is finished (expired, replayed to its end, too slow)."""
-        self.ident, self.r, self.keys, self.s = ident, ident.r, ident.keys, ident.settings
+        self.ident, self.r, self.s = ident, ident.r, ident.settings
         self.model, self.worker_id = ident.model, ident.worker_id
         self.engine, self.publisher, self.metrics, self.pacer = engine, publisher, metrics, pacer
         self.jobs, self.end_job, self.log = jobs, end_job, log
@@ -48,8 +53,16 @@ class Intake:
         # while the engine is busy, a lane whose last read was empty is read again only
         # after intake_poll_ms (the first lane) or LOWER_LANE_POLL_S (the others)
         self._next_poll = dict.fromkeys(ident.lanes, 0.0)
-        self._claim_cursor = {lane: "0-0" for lane in ident.lanes}
+        self._claim_cursor = dict.fromkeys(ident.streams, "0-0")
         self._floor = lanes.floor_seats(engine.config.max_num_seqs, self.s.lane_min_share)
+        # per kind of read (a lane's, the idle read, a lane's reclaim): how many were made,
+        # so that each kind has a different tenant first each time (tenants.rotated)
+        self._turns: dict[str, int] = {}
+        # jobs stream -> (its tenant's keys, its lane), and its lane's rank
+        self._where = {ident.stream(lane, k): (k, lane) for lane in ident.lanes
+                       for k in ident.tenants}
+        self._rank = {stream: ident.lanes.index(lane) for stream, (_, lane) in
+                      self._where.items()}
 
     def has_backlog(self) -> bool:
         for stream in self.ident.streams:
@@ -74,30 +87,40 @@ class Intake:
         Returns False while own pending remain."""
         if own_pending:
             more = False
-            for lane, room in self._rooms().items():
-                if room > 0:
-                    more |= not self._own_pending(lane, room)
+            for lane in self.ident.lanes:
+                for k in self.ident.tenants:
+                    room = self._rooms()[lane]
+                    if room > 0:
+                        more |= not self._own_pending(k, lane, room)
             return not more
         if time.monotonic() >= self._next_reclaim:
             self._next_reclaim = time.monotonic() + max(0.5, self.s.lease_s / 4)
             for lane in self.ident.lanes:
-                room = self._rooms()[lane]
-                if room <= 0:
-                    continue
-                self._claim_cursor[lane], claimed = reclaim(
-                    self.r, self.ident.stream(lane), self.worker_id, self.s.lease_s, room,
-                    self._claim_cursor[lane])
-                for c in claimed:
-                    self.metrics.reclaims.inc()
-                    self.log.info("entry_reclaimed", entry_id=c.entry_id, lane=lane,
-                                  deliveries=c.deliveries)
-                    self._admit(lane, c.entry_id, c.fields, c.deliveries)
+                for k in self._tenant_order(f"reclaim {lane}"):
+                    room = self._rooms()[lane]
+                    if room <= 0:
+                        break
+                    stream = self.ident.stream(lane, k)
+                    self._claim_cursor[stream], claimed = reclaim(
+                        self.r, stream, self.worker_id, self.s.lease_s, room,
+                        self._claim_cursor[stream])
+                    for c in claimed:
+                        self.metrics.reclaims.inc()
+                        self.log.info("entry_reclaimed", entry_id=c.entry_id, lane=lane,
+                                      prefix=k.prefix, deliveries=c.deliveries)
+                        self._admit(k, lane, c.entry_id, c.fields, c.deliveries)
         self._read_new(self.engine.has_unfinished())
         return True
 
-    def _own_pending(self, lane: str, room: int) -> bool:
-        """Re-admit this worker's own pending entries of a lane; True when none remain."""
-        stream = self.ident.stream(lane)
+    def _tenant_order(self, kind: str) -> list[Keys]:
+        """The tenants, the next one first at each read of this ``kind`` (round robin)."""
+        turn = self._turns[kind] = self._turns.get(kind, -1) + 1
+        return tenants.rotated(self.ident.tenants, turn)
+
+    def _own_pending(self, keys: Keys, lane: str, room: int) -> bool:
+        """Re-admit this worker's own pending entries of a tenant's lane; True when none
+        remain."""
+        stream = self.ident.stream(lane, keys)
         resp = self.r.xreadgroup(GROUP, self.worker_id, {stream: "0"}, count=room)
         entries = resp[0][1] if resp else []
         if entries:
@@ -105,17 +128,19 @@ class Intake:
                                          count=len(entries), consumername=self.worker_id)
             counts = {p["message_id"]: p["times_delivered"] for p in pend}
             for entry_id, fields in entries:
-                self._admit(lane, entry_id, fields, counts.get(entry_id, 1))
+                self._admit(keys, lane, entry_id, fields, counts.get(entry_id, 1))
         return len(entries) < room
 
     def _read_new(self, busy: bool) -> int:
-        """New entries. Idle: block on every lane at once for one entry each (the next
-        poll, not blocking, fills the rest lane by lane). Busy: each lane with room in
-        turn, highest first, so a lower lane sees what the higher ones left."""
+        """New entries. Idle: block on every stream with room at once (every lane of every
+        tenant), for one entry each (the next poll, not blocking, fills the rest lane by
+        lane). Busy: each lane with room in turn, highest first, so a lower lane sees what
+        the higher ones left; a lane's room in fair shares among its tenants."""
         got = 0
         if not busy:
-            rooms = self._rooms()
-            streams = {self.ident.stream(ln): ">" for ln, room in rooms.items() if room > 0}
+            rooms, order = self._rooms(), self._tenant_order("idle")
+            streams = {self.ident.stream(ln, k): ">" for ln, room in rooms.items() if room > 0
+                       for k in order}
             if not streams:
                 return 0
             self.round_trips += 1
@@ -123,7 +148,7 @@ class Intake:
             for stream, entries in sorted(resp or [], key=lambda x: self._rank[x[0]]):
                 for entry_id, fields in entries:
                     got += 1
-                    self._admit(self._lane_of[stream], entry_id, fields, 1)
+                    self._admit(*self._where[stream], entry_id, fields, 1)
             return got
         now = time.monotonic()
         for rank, lane in enumerate(self.ident.lanes):
@@ -132,94 +157,100 @@ class Intake:
             room = self._rooms()[lane]
             if room <= 0:
                 continue
-            self.round_trips += 1
-            resp = self.r.xreadgroup(GROUP, self.worker_id, {self.ident.stream(lane): ">"},
-                                     count=room)
+            taken = tenants.fair_take(room, self._tenant_order(lane),
+                                      functools.partial(self._read_lane, lane))
             n = 0
-            for _stream, entries in resp or []:
+            for k, entries in taken.items():
                 for entry_id, fields in entries:
                     n += 1
-                    self._admit(lane, entry_id, fields, 1)
+                    self._admit(k, lane, entry_id, fields, 1)
             wait = self.s.intake_poll_ms / 1000.0 if rank == 0 else LOWER_LANE_POLL_S
             self._next_poll[lane] = 0.0 if n else now + wait
             got += n
         return got
 
-    @functools.cached_property
-    def _lane_of(self) -> dict[str, str]:
-        return {self.ident.stream(lane): lane for lane in self.ident.lanes}
+    def _read_lane(self, lane: str, counts: dict[Keys, int]) -> dict[Keys, list]:
+        """New entries of a lane's streams, ``counts[tenant]`` of each, in one round trip
+        (XREADGROUP's COUNT is per call: one call per tenant, pipelined)."""
+        self.round_trips += 1
+        if len(counts) == 1:
+            (k, n), = counts.items()
+            resp = self.r.xreadgroup(GROUP, self.worker_id, {self.ident.stream(lane, k): ">"},
+                                     count=n)
+            return {k: resp[0][1] if resp else []}
+        pipe = self.r.pipeline(transaction=False)
+        for k, n in counts.items():
+            pipe.xreadgroup(GROUP, self.worker_id, {self.ident.stream(lane, k): ">"}, count=n)
+        return {k: resp[0][1] if resp else []
+                for k, resp in zip(counts, pipe.execute(), strict=True)}
 
-    @functools.cached_property
-    def _rank(self) -> dict[str, int]:
-        return {self.ident.stream(lane): i for i, lane in enumerate(self.ident.lanes)}
-
-    def _admit(self, lane: str, entry_id: str, fields: dict[str, str] | None,
+    def _admit(self, keys: Keys, lane: str, entry_id: str, fields: dict[str, str] | None,
                deliveries: int) -> None:
         """START runs here, per entry, right before the job enters the engine (not batched
         over the entries read): a worker that crashes while admitting has then charged a
         start only to the jobs it got to (poison detection counts starts). Whatever one
         entry holds, it is admitted or dead-lettered: it never raises out of here."""
         if not fields:  # its data was deleted from the stream: nothing to run
-            self._ack_del(lane, entry_id)
+            self._ack_del(keys, lane, entry_id)
             return
         try:
             req = parse_entry(fields, self.model, lane)
         except BadEntry as e:
-            self._reject_entry(lane, entry_id, fields, str(e), e.job_id, deliveries)
+            self._reject_entry(keys, lane, entry_id, fields, str(e), e.job_id, deliveries)
             return
         try:
-            self._start_job(lane, entry_id, fields, req, deliveries)
+            self._start_job(keys, lane, entry_id, fields, req, deliveries)
         except redis.ResponseError as e:  # e.g. WRONGTYPE: a hostile write to the job's keys
-            self._reject_entry(lane, entry_id, fields, f"redis refused the job's keys: {e}",
-                               fields["job"], deliveries)
+            self._reject_entry(keys, lane, entry_id, fields,
+                               f"redis refused the job's keys: {e}", fields["job"], deliveries)
 
-    def _start_job(self, lane: str, entry_id: str, fields: dict[str, str], req: JobRequest,
-                   deliveries: int) -> None:
+    def _start_job(self, keys: Keys, lane: str, entry_id: str, fields: dict[str, str],
+                   req: JobRequest, deliveries: int) -> None:
         job_id = fields["job"]
-        if job_id in self.jobs:  # already running here (claimed back by our own refresh)
+        if keys.job(job_id) in self.jobs:  # already running here (claimed back by our refresh)
             return
         faults.maybe_raise("intake", [job_id])
-        jlog = self.log.bind(job_id=job_id)
+        jlog = self.log.bind(job_id=job_id, prefix=keys.prefix)
         self.round_trips += 1
         res = Started.parse(self._start(*worker_scripts.start(
-            self.keys, job_id, self.model, lane, self.worker_id, self.s.max_deliveries)))
+            keys, job_id, self.model, lane, self.worker_id, self.s.max_deliveries)))
         if res.kind == "poison":
-            self._reject_entry(lane, entry_id, fields, f"poison job: started {res.attempts} "
-                               f"times without a result (max_deliveries="
+            self._reject_entry(keys, lane, entry_id, fields, f"poison job: started "
+                               f"{res.attempts} times without a result (max_deliveries="
                                f"{self.s.max_deliveries})", job_id, deliveries)
             return
         if res.kind != "ok":
             jlog.info("job_skipped", status=res.status)
-            self._ack_del(lane, entry_id)
+            self._ack_del(keys, lane, entry_id)
             return
         attempt, deadline = res.attempt, res.deadline
-        job = Job(job_id, entry_id, attempt, req, lane, deadline, admitted_at=time.monotonic(),
-                  queue_wait_s=res.queue_wait_s)
+        job = Job(job_id, entry_id, attempt, req, lane, keys, deadline,
+                  admitted_at=time.monotonic(), queue_wait_s=res.queue_wait_s)
         self.metrics.queue_wait.labels(lane).observe(job.queue_wait_s)
         next_index = self._replay_events(job)
         if deadline is not None and time.time() > deadline:
             jlog.info("job_expired")
-            self.publisher.register(job_id, attempt, next_index)
+            self.publisher.register(keys, job_id, attempt, next_index)
             self.end_job(job, Status.expired, FinishReason.deadline)
             return
         faults.on_admit(str(req.prompt or " ".join(m.content for m in req.messages or [])))
         try:
             job.prompt_tokens = self._add_to_engine(job)
         except Exception as e:  # noqa: BLE001 - input this engine cannot take fails its job
-            self.engine.abort_request(job_id)
+            self.engine.abort_request(job.uid)
             if not isinstance(e, ValueError):
                 jlog.error("engine_refused_job", error=repr(e), exc_info=e)
-            self._reject_entry(lane, entry_id, fields, str(e) or type(e).__name__, job_id,
-                               deliveries)
+            self._reject_entry(keys, lane, entry_id, fields, str(e) or type(e).__name__,
+                               job_id, deliveries)
             return
-        self.publisher.register(job_id, attempt, next_index)
-        self.jobs[job_id] = job
+        self.publisher.register(keys, job_id, attempt, next_index)
+        self.jobs[job.uid] = job
         if job.done:  # every choice had ended before a crash (replayed): just finish
             self.end_job(job, Status.finished, job.finish_reason())
             return
         too_slow, by_deadline = self._prefill_too_slow(job)
         if too_slow:  # the job's own deadline: it expires; the worker's limit: it fails
-            self.engine.abort_request(job_id)
+            self.engine.abort_request(job.uid)
             self.end_job(job, *((Status.expired, FinishReason.deadline) if by_deadline
                                 else (Status.failed, FinishReason.error)), error=too_slow)
             return
@@ -258,8 +289,8 @@ class Intake:
         return (f"prompt of {job.prompt_tokens} tokens needs about {est:.0f} s to prefill on "
                 f"this worker; {what} allows {max(limit, 0):.0f} s"), by_deadline
 
-    def _ack_del(self, lane: str, entry_id: str) -> None:
-        stream = self.ident.stream(lane)
+    def _ack_del(self, keys: Keys, lane: str, entry_id: str) -> None:
+        stream = self.ident.stream(lane, keys)
         pipe = self.r.pipeline(transaction=True)
         pipe.xack(stream, GROUP, entry_id).xdel(stream, entry_id).execute()
 
@@ -268,7 +299,7 @@ class Intake:
         returns the next event index (producer/reader.py ``replay``)."""
         if job.attempt <= 1:
             return 0
-        replayed, next_index = replay(self.r.xrange(self.keys.out(job.job_id)),
+        replayed, next_index = replay(self.r.xrange(job.keys.out(job.job_id)),
                                       len(job.choices))
         for choice, done in zip(job.choices, replayed, strict=True):
             choice.resumed_ids.extend(done.token_ids)
@@ -277,15 +308,17 @@ class Intake:
             choice.finish_reason = done.finish_reason
         return next_index
 
-    def _reject_entry(self, lane: str, entry_id: str, fields: dict, reason: str, job_id: str,
-                      deliveries: int) -> None:
+    def _reject_entry(self, keys: Keys, lane: str, entry_id: str, fields: dict, reason: str,
+                      job_id: str, deliveries: int) -> None:
         self.log.warning("entry_rejected", entry_id=entry_id, job_id=job_id, lane=lane,
-                         reason=reason)
+                         prefix=keys.prefix, reason=reason)
         # bytes, as they came: hiredis packs str arguments as strict UTF-8, and a body that
         # is not UTF-8 arrives here with surrogate escapes (see Worker's connection)
         body = str(fields.get("body", fields))[:DLQ_BODY_CHARS].encode("utf-8", "surrogateescape")
-        self._reject(*worker_scripts.reject(self.keys, self.model, lane, entry_id,
-                                   reason[:DLQ_BODY_CHARS], job_id or "", body, time.time(),
-                                   self.s.result_ttl_s, deliveries, self.s.dlq_ttl_s))
-        self.jobs.pop(job_id, None)
+        self._reject(*worker_scripts.reject(keys, self.model, lane, entry_id,
+                                            reason[:DLQ_BODY_CHARS], job_id or "", body,
+                                            time.time(), self.s.result_ttl_s, deliveries,
+                                            self.s.dlq_ttl_s))
+        if job_id:
+            self.jobs.pop(keys.job(job_id), None)
         self.metrics.finished.labels(Status.failed).inc()

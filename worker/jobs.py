@@ -1,8 +1,9 @@
 """Turning a jobs-stream entry into engine input (validation at the boundary), and the
 state of a job this worker owns.
 
-A job of ``n`` choices runs as n engine requests: ``job_id`` when n == 1, else
-``job_id#k`` for choice k (the engine aborts ``job_id`` and every ``job_id#k`` together).
+A job of ``n`` choices runs as n engine requests: ``uid`` when n == 1, else ``uid#k``
+for choice k (the engine aborts ``uid`` and every ``uid#k`` together); a job's uid is its
+record's key, ``{prefix}:job:<id>`` (job ids are unique only within a tenant's prefix).
 """
 from __future__ import annotations
 
@@ -21,25 +22,33 @@ from producer.settings import Settings
 
 @dataclass(frozen=True, slots=True)
 class WorkerIdentity:
-    """What every part of a worker knows of it: its Redis, key scheme, settings, the model
-    it serves, its lanes (= its jobs streams, highest first) and its consumer name."""
+    """What every part of a worker knows of it: its Redis, the tenants it serves (their
+    key schemes: one per prefix, ``keys`` is the first), settings, the model it serves, its
+    lanes (highest first) and its consumer name. Its jobs streams: one per tenant and
+    lane. A single-prefix worker is the case of one tenant."""
 
     r: redis.Redis
     keys: Keys
     settings: Settings
     model: str
     worker_id: str
+    tenants: tuple[Keys, ...] = ()  # () = (keys,)
+
+    def __post_init__(self) -> None:
+        if not self.tenants:
+            object.__setattr__(self, "tenants", (self.keys,))
 
     @property
     def lanes(self) -> tuple[str, ...]:
         return self.settings.lanes
 
-    def stream(self, lane: str) -> str:
-        return self.keys.jobs(self.model, lane)
+    def stream(self, lane: str, keys: Keys) -> str:
+        return keys.jobs(self.model, lane)
 
     @property
     def streams(self) -> list[str]:
-        return [self.keys.jobs(self.model, lane) for lane in self.lanes]
+        """Every jobs stream served, lane by lane (highest first), tenants in order."""
+        return [k.jobs(self.model, lane) for lane in self.lanes for k in self.tenants]
 
 
 class BadEntry(ValueError):
@@ -60,13 +69,15 @@ class ChoiceState:
 
 @dataclass(slots=True)
 class Job:
-    """A job this worker owns (running in the engine)."""
+    """A job this worker owns (running in the engine). ``keys``: its tenant's key scheme;
+    job ids are unique only within a tenant, so the worker knows a job by ``uid``."""
 
     job_id: str
     entry_id: str
     attempt: int
     request: JobRequest
     lane: str
+    keys: Keys
     deadline: float | None = None
     prompt_tokens: int = 0
     choices: list[ChoiceState] = field(default_factory=list)
@@ -83,8 +94,14 @@ class Job:
         """Engine requests this job holds now (its unfinished choices)."""
         return sum(c.finish_reason is None for c in self.choices)
 
+    @property
+    def uid(self) -> str:
+        """The job's name inside the worker (its table of jobs, engine request ids, the
+        publisher): its record's key, unique across tenants."""
+        return self.keys.job(self.job_id)
+
     def request_id(self, k: int) -> str:
-        return self.job_id if self.request.n == 1 else f"{self.job_id}#{k}"
+        return self.uid if self.request.n == 1 else f"{self.uid}#{k}"
 
     @property
     def done(self) -> bool:
@@ -110,7 +127,7 @@ class Job:
 
 
 def split_request_id(rid: str) -> tuple[str, int]:
-    """Engine request id -> (job id, choice). Job ids never contain '#'."""
+    """Engine request id -> (job uid, choice). Job ids and prefixes never contain '#'."""
     job_id, sep, k = rid.partition("#")
     return job_id, int(k) if sep else 0
 

@@ -23,80 +23,108 @@ from worker.publisher import Publisher
 
 log = structlog.get_logger("pagedq.liveness")
 PRUNE_AFTER_S = 3600.0  # a worker silent this long leaves {P}:workers and {P}:serving:*
+# the heartbeat's ``jobs`` field lists at most this many running job ids (``running`` is the
+# full count): bounded hash size whatever the batch (docs/protocol.md, pagedq inspect)
+HEARTBEAT_JOB_IDS = 32
 
 
 class Heartbeat:
     """The worker's heartbeat and lease refresh, queued on the publisher's next round trip
     (from the engine loop, or from the watchdog while a step runs within its limit). The
     worker's entry in ``{P}:serving:{model}`` is scored by its heartbeat's expiry time;
-    members silent for PRUNE_AFTER_S are pruned there and in ``{P}:workers``."""
+    members silent for PRUNE_AFTER_S are pruned there and in ``{P}:workers``.
+    ``device`` and ``max_num_seqs`` describe the engine for ``pagedq inspect``."""
 
-    def __init__(self, ident: WorkerIdentity, publisher: Publisher) -> None:
+    def __init__(self, ident: WorkerIdentity, publisher: Publisher, *, device: str = "",
+                 max_num_seqs: int = 0) -> None:
         self.ident, self.publisher = ident, publisher
         self._refresh = lua.Script(ident.r, lua.REFRESH)
+        self._static = {"device": device, "max_num_seqs": max_num_seqs,
+                        "started_at": f"{time.time():.3f}"}
 
     def beat(self, jobs: list[Job], kv_usage: float) -> None:
-        """``jobs``: the jobs the worker owns now (their leases are refreshed)."""
-        ident, keys = self.ident, self.ident.keys
-        faults.maybe_raise("heartbeat", [j.job_id for j in jobs])
+        """``jobs``: the jobs the worker owns now (their leases are refreshed). Written
+        under every tenant's prefix it serves: ``running`` counts all its jobs (its load),
+        ``jobs`` lists only that tenant's."""
+        ident = self.ident
+        faults.maybe_raise("heartbeat", [j.uid for j in jobs])
         now = time.time()
-        wk, ttl = keys.worker(ident.worker_id), int(ident.settings.heartbeat_ttl_s) + 1
-        state = {"model": ident.model, "running": len(jobs), "at": f"{now:.3f}",
-                 "kv_usage": f"{kv_usage:.4f}"}
-        owned: dict[str, list[tuple[str, str, int]]] = {}  # per lane
+        ttl = int(ident.settings.heartbeat_ttl_s) + 1
+        prune_before = now - PRUNE_AFTER_S
+        owned: dict[tuple[str, str], list[tuple[str, str, int]]] = {}  # per (prefix, lane)
         for j in jobs:
-            owned.setdefault(j.lane, []).append((j.job_id, j.entry_id, j.attempt))
-        refresh = [worker_scripts.refresh(keys, ident.stream(lane), ident.worker_id, o)
-                   for lane, o in owned.items()]
-        serving, prune_before = keys.serving(ident.model), now - PRUNE_AFTER_S
+            owned.setdefault((j.keys.prefix, j.lane), []).append(
+                (j.job_id, j.entry_id, j.attempt))
+        writes = []
+        for keys in ident.tenants:
+            mine = [j.job_id for j in jobs if j.keys == keys]
+            state = {"model": ident.model, "running": len(jobs), "at": f"{now:.3f}",
+                     "kv_usage": f"{kv_usage:.4f}", **self._static,
+                     "jobs": ",".join(mine[:HEARTBEAT_JOB_IDS])}
+            refresh = [worker_scripts.refresh(keys, ident.stream(lane, keys), ident.worker_id,
+                                              owned[keys.prefix, lane])
+                       for lane in ident.lanes if (keys.prefix, lane) in owned]
+            writes.append((keys, state, refresh))
 
         def write(pipe) -> None:
-            pipe.hset(wk, mapping=state)
-            pipe.expire(wk, ttl)
-            pipe.zadd(keys.workers, {ident.worker_id: now})
-            pipe.zremrangebyscore(keys.workers, "-inf", prune_before)
-            pipe.zadd(serving, {ident.worker_id: now + ttl})
-            pipe.sadd(keys.models, ident.model)
-            pipe.zremrangebyscore(serving, "-inf", prune_before)
-            for call in refresh:
-                self._refresh(*call, client=pipe)
+            for keys, state, refresh in writes:
+                wk, serving = keys.worker(ident.worker_id), keys.serving(ident.model)
+                pipe.hset(wk, mapping=state)
+                pipe.expire(wk, ttl)
+                pipe.zadd(keys.workers, {ident.worker_id: now})
+                pipe.zremrangebyscore(keys.workers, "-inf", prune_before)
+                pipe.zadd(serving, {ident.worker_id: now + ttl})
+                pipe.sadd(keys.models, ident.model)
+                pipe.zremrangebyscore(serving, "-inf", prune_before)
+                for call in refresh:
+                    self._refresh(*call, client=pipe)
 
         self.publisher.call(write)
 
     def leave(self) -> None:
         """A clean stop: no longer listed as serving (clients asking require_worker see it)."""
-        ident, keys = self.ident, self.ident.keys
+        ident = self.ident
         try:
             pipe = ident.r.pipeline(transaction=False)
-            pipe.zrem(keys.serving(ident.model), ident.worker_id)
-            pipe.zrem(keys.workers, ident.worker_id)
-            pipe.delete(keys.worker(ident.worker_id))
+            for keys in ident.tenants:
+                pipe.zrem(keys.serving(ident.model), ident.worker_id)
+                pipe.zrem(keys.workers, ident.worker_id)
+                pipe.delete(keys.worker(ident.worker_id))
             pipe.execute()
         except redis.RedisError as e:
             log.warning("leave_failed", error=str(e))
 
 
 def read_queue_metrics(ident: WorkerIdentity, metrics: Metrics) -> None:
-    """Stream length, pending, oldest pending age, DLQ size of each lane (one round trip)."""
+    """Stream length, pending, oldest pending age, DLQ size of each lane (one round trip),
+    over every tenant the worker serves: summed (the oldest age: the largest), so that the
+    gauges keep one series per lane (`pagedq inspect` shows them per prefix)."""
+    where = [(k, lane) for lane in ident.lanes for k in ident.tenants]
     try:
         pipe = ident.r.pipeline(transaction=False)
-        for lane in ident.lanes:
-            stream = ident.stream(lane)
+        for k, lane in where:
+            stream = ident.stream(lane, k)
             pipe.xlen(stream)
             pipe.xpending(stream, GROUP)
-            pipe.xlen(ident.keys.dlq(ident.model, lane))
+            pipe.xlen(k.dlq(ident.model, lane))
             pipe.xpending_range(stream, GROUP, min="-", max="+", count=1)
         res = pipe.execute()
     except Exception as e:  # noqa: BLE001 - metrics must never take the worker down
         log.warning("queue_metrics_failed", error=str(e))
         return
-    for i, lane in enumerate(ident.lanes):
+    total = {lane: [0, 0, 0, 0.0] for lane in ident.lanes}  # length, pending, dlq, oldest
+    for i, (_, lane) in enumerate(where):
         length, pend, dlq, oldest = res[4 * i:4 * i + 4]
+        t = total[lane]
+        t[0] += length
+        t[1] += pend["pending"] if isinstance(pend, dict) else 0
+        t[2] += dlq
+        t[3] = max(t[3], oldest[0]["time_since_delivered"] / 1000 if oldest else 0)
+    for lane, (length, pending, dlq, oldest_s) in total.items():
         metrics.stream_length.labels(lane).set(length)
-        metrics.pending.labels(lane).set(pend["pending"] if isinstance(pend, dict) else 0)
+        metrics.pending.labels(lane).set(pending)
         metrics.dlq_size.labels(lane).set(dlq)
-        metrics.oldest_pending.labels(lane).set(
-            oldest[0]["time_since_delivered"] / 1000 if oldest else 0)
+        metrics.oldest_pending.labels(lane).set(oldest_s)
 
 
 class Watchdog:

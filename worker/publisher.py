@@ -32,6 +32,7 @@ log = structlog.get_logger("pagedq.publisher")
 
 @dataclass(slots=True)
 class Final:
+    keys: Keys  # the job's tenant's
     job_id: str
     attempt: int
     entry_id: str
@@ -45,10 +46,15 @@ class Final:
     on_done: Callable[[str], None] | None = None  # receives the script's verdict
     choices: list[dict[str, Any]] | None = None  # n > 1 only
 
+    @property
+    def uid(self) -> str:
+        return self.keys.job(self.job_id)
+
 
 # What the engine loop hands over per (job, choice) and step:
-# (job_id, attempt, choice or None when n == 1, delta, token_ids, logprobs or None,
-#  finish_reason when this step ended the choice else None)
+# (job uid, attempt, choice or None when n == 1, delta, token_ids, logprobs or None,
+#  finish_reason when this step ended the choice else None). A job's uid is its record's
+# key (worker/jobs.py Job.uid); ``register`` told the thread whose keys and id it is.
 TokenDelta = tuple[str, int, "int | None", str, list[int], "list[Any] | None", "str | None"]
 
 
@@ -63,12 +69,18 @@ class _Pending:
 
 
 class Publisher:
-    def __init__(self, r: redis.Redis, keys: Keys, settings: Settings, model: str) -> None:
-        self.r, self.keys, self.s, self.model = r, keys, settings, model
+    """Jobs are named by their uid (worker/jobs.py Job.uid) in every call but ``register``
+    and ``final``, which give the job's keys and id; ``lost`` and ``cancel_hits`` carry
+    uids."""
+
+    def __init__(self, r: redis.Redis, settings: Settings) -> None:
+        self.r, self.s = r, settings
         self._publish = lua.Script(r, lua.PUBLISH)
         self._finish = lua.Script(r, lua.FINISH)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._next_index: dict[str, int] = {}  # owned by the publisher thread
+        # owned by the publisher thread, by uid: the next event index, whose job it is
+        self._next_index: dict[str, int] = {}
+        self._owner: dict[str, tuple[Keys, str]] = {}
         self._thread = threading.Thread(
             target=fatal.guarded("publisher", self._run, lambda: list(self._next_index)),
             name="pagedq-publisher", daemon=True)
@@ -83,8 +95,8 @@ class Publisher:
         self._thread.start()
         return self
 
-    def register(self, job_id: str, attempt: int, next_index: int) -> None:
-        self._q.put(("reg", job_id, attempt, next_index))
+    def register(self, keys: Keys, job_id: str, attempt: int, next_index: int) -> None:
+        self._q.put(("reg", keys, job_id, attempt, next_index))
 
     def tokens(self, batch: list[TokenDelta], urgent: bool = False) -> None:
         """One TokenDelta for every (job, choice) with new tokens this step. ``urgent``:
@@ -100,9 +112,9 @@ class Publisher:
         """Run ``fn(pipeline)`` in the next round trip (heartbeats, lease refresh)."""
         self._q.put(("call", fn))
 
-    def check_cancels(self, job_ids: list[str]) -> None:
-        if job_ids:
-            self._q.put(("cancel?", job_ids))
+    def check_cancels(self, uids: list[str]) -> None:
+        if uids:
+            self._q.put(("cancel?", uids))
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Block until everything queued so far is written."""
@@ -140,7 +152,8 @@ class Publisher:
         for it in items:
             kind = it[0]
             if kind == "reg":
-                self._next_index[it[1]] = it[3]
+                uid = it[1].job(it[2])
+                self._next_index[uid], self._owner[uid] = it[4], (it[1], it[2])
             elif kind == "tok":
                 for job_id, attempt, choice, delta, ids, lp, fr in it[1]:
                     key = (job_id, choice)
@@ -169,20 +182,29 @@ class Publisher:
 
     def _write(self, pending: dict[str, _Pending], order: list[tuple[str, Any]],
                calls: list, cancel_ids: list[str]) -> None:
-        pub = worker_scripts.Publish(self.keys, self.s.out_maxlen, self.s.stream_idle_ttl_s)
+        pub = worker_scripts.Publish(self.s.out_maxlen, self.s.stream_idle_ttl_s)
         finals: list[Final] = []
-        published: list[str] = []  # job id of each event, in add order
+        published: list[str] = []  # job uid of each event, in add order
         for kind, obj in order:
             if kind == "tok":
                 p = pending[obj]
-                job_id = obj[0]
-                published.append(job_id)
-                idx = self._next_index.get(job_id, 0)
-                self._next_index[job_id] = idx + 1
-                pub.add(job_id, p.attempt, idx, "".join(p.delta), p.ids, p.lp or None,
+                uid = obj[0]
+                owner = self._owner.get(uid)
+                if owner is None:  # not registered: never started here, nothing to write
+                    continue
+                published.append(uid)
+                idx = self._next_index.get(uid, 0)
+                self._next_index[uid] = idx + 1
+                pub.add(*owner, p.attempt, idx, "".join(p.delta), p.ids, p.lp or None,
                         p.choice, p.finish_reason)
             else:
                 finals.append(obj)
+        # the cancel sets to ask, per tenant: {cancel set: [(uid, job id)]}
+        asks: dict[str, list[tuple[str, str]]] = {}
+        for uid in cancel_ids:
+            if uid in self._owner:
+                keys, job_id = self._owner[uid]
+                asks.setdefault(keys.cancel, []).append((uid, job_id))
         if faults.FAILPOINTS:
             faults.maybe_raise("publisher", [k[0] for k in pending] + [f.job_id for f in finals])
         backoff = 0.05
@@ -193,14 +215,14 @@ class Publisher:
                     self._publish(*pub.call, client=pipe)
                 for f in finals:
                     self._finish(*worker_scripts.finish(
-                        self.keys, f.job_id, f.stream, f.entry_id, f.attempt, f.status,
+                        f.keys, f.job_id, f.stream, f.entry_id, f.attempt, f.status,
                         f.finish_reason, f.text, f.error, f.prompt_tokens, f.completion_tokens,
-                        self._next_index.get(f.job_id, 0), time.time(), self.s.result_ttl_s,
+                        self._next_index.get(f.uid, 0), time.time(), self.s.result_ttl_s,
                         self.s.out_maxlen, f.choices), client=pipe)
                 for fn in calls:
                     fn(pipe)
-                if cancel_ids:
-                    pipe.smismember(self.keys.cancel, cancel_ids)
+                for cancel_set, jobs in asks.items():
+                    pipe.smismember(cancel_set, [job_id for _, job_id in jobs])
                 res = pipe.execute(raise_on_error=False)
                 if lua.noscript(res):  # Redis lost its script cache: load, send it all again
                     lua.load_all(self.r)
@@ -221,10 +243,13 @@ class Publisher:
             for pos in pub.lost(res[0]):
                 self.lost.put(published[pos])
         for f, verdict in zip(finals, res[base:base + len(finals)], strict=True):
-            self._next_index.pop(f.job_id, None)
+            self._next_index.pop(f.uid, None)
+            self._owner.pop(f.uid, None)
             if f.on_done is not None:
                 f.on_done(verdict if isinstance(verdict, str) else str(verdict))
-        if cancel_ids:
-            for job_id, hit in zip(cancel_ids, res[-1], strict=True):
+        for jobs, hits in zip(asks.values(), res[len(res) - len(asks):], strict=True):
+            if isinstance(hits, Exception):
+                continue  # counted and logged above; asked again before the next step
+            for (uid, _), hit in zip(jobs, hits, strict=True):
                 if hit:
-                    self.cancel_hits.put(job_id)
+                    self.cancel_hits.put(uid)

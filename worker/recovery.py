@@ -51,23 +51,28 @@ def reclaim(r: redis.Redis, stream: str, consumer: str, lease_s: float, count: i
 
 class UnservedSweep:
     """Expires queued jobs of models that no live worker serves. Every worker runs it for
-    every model in ``{P}:models``, its own included: a lone worker that stopped serving its
-    model leaves no one else to do it."""
+    every model in ``{P}:models`` of every tenant it serves, its own model included: a
+    lone worker that stopped serving its model leaves no one else to do it."""
 
     def __init__(self, ident, log) -> None:
         self.ident, self.log = ident, log
         self._script = lua.Script(ident.r, lua.EXPIRE_UNSERVED)
 
     def run(self) -> None:
-        r, keys, s = self.ident.r, self.ident.keys, self.ident.settings
+        r, s = self.ident.r, self.ident.settings
+        pipe = r.pipeline(transaction=False)
+        for keys in self.ident.tenants:
+            pipe.smembers(keys.models)
         # every lane this worker knows of (a lane only a producer knows waits for a worker
         # that has it in its settings.lanes)
-        targets = [(m, lane) for m in sorted(r.smembers(keys.models)) for lane in s.lanes]
+        targets = [(keys, m, lane) for keys, models in zip(self.ident.tenants, pipe.execute(),
+                                                           strict=True)
+                   for m in sorted(models) for lane in s.lanes]
         if not targets:
             return
         for _ in range(2):  # a second time after loading the scripts (Redis lost its cache)
             pipe = r.pipeline(transaction=False)
-            for model, lane in targets:
+            for keys, model, lane in targets:
                 call = worker_scripts.expire_unserved(keys, model, lane, s.unserved_timeout_s,
                                                       s.result_ttl_s, 1000)
                 self._script(*call, client=pipe)
@@ -75,8 +80,10 @@ class UnservedSweep:
             if not lua.noscript(results):
                 break
             lua.load_all(r)
-        for (model, lane), n in zip(targets, results, strict=True):
+        for (keys, model, lane), n in zip(targets, results, strict=True):
             if isinstance(n, Exception):
-                self.log.warning("expire_unserved_failed", model=model, lane=lane, error=str(n))
+                self.log.warning("expire_unserved_failed", prefix=keys.prefix, model=model,
+                                 lane=lane, error=str(n))
             elif n:
-                self.log.warning("jobs_expired_unserved", model=model, lane=lane, count=n)
+                self.log.warning("jobs_expired_unserved", prefix=keys.prefix, model=model,
+                                 lane=lane, count=n)

@@ -1,0 +1,398 @@
+"""Least-privilege Redis users (`pagedq acl`, producer/acl.py) on a real Redis 7 server
+started with the generated ACL file, two tenants (key prefixes) and one real worker
+process serving both (`--prefixes`, its own `worker` user). Each role does what it must and
+is refused (NOPERM) what it must not; a tenant's flood does not starve another tenant.
+Nothing is mocked; every wait is a condition with a deadline."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from producer import AsyncClient, Client, acl, lua
+from producer.batch import Batches, BatchSettings
+from producer.cli import main as cli_main
+from producer.errors import JobNotFound
+from producer.invariants import queue_counters
+from producer.keys import GROUP, Keys
+from producer.scripts import CANCEL_LUA, cancel_call
+from producer.settings import Settings
+from tests.test_batch_e2e import RqWorker, until
+from tests.tiny_service import MODEL
+from tests.worker_proc import ROOT, WorkerProc
+from worker.redis_server import RedisServer
+from worker.tenants import fair_take, rotated
+
+T1, T2 = "acl1", "acl2"  # the tenants' prefixes
+NON_ADMIN = [f"producer-{T1}", f"reader-{T1}", f"batch-{T1}", "worker"]
+
+
+class Env:
+    """The module's server, secrets and worker; clients and raw connections per user."""
+
+    def __init__(self, srv: RedisServer, secrets: Path, aclfile: Path) -> None:
+        self.srv, self.secrets, self.aclfile = srv, secrets, aclfile
+        self.closers: list = []
+
+    def password(self, user: str) -> str:
+        return (self.secrets / user).read_text()
+
+    def settings(self, user: str, prefix: str = T1, **kw) -> Settings:
+        return Settings(redis_url=self.srv.url, prefix=prefix, model=MODEL,
+                        redis_username=user, redis_password=self.password(user), **kw)
+
+    def client(self, user: str, prefix: str = T1) -> Client:
+        c = Client(settings=self.settings(user, prefix))
+        self.closers.append(c.close)
+        return c
+
+    def raw(self, user: str) -> redis.Redis:
+        r = redis.Redis(host="127.0.0.1", port=self.srv.port, username=user,
+                        password=self.password(user), decode_responses=True)
+        self.closers.append(r.close)
+        return r
+
+    def user_env(self, user: str) -> dict[str, str]:
+        """How a process is given its user: the name and a secrets file, no password on
+        its command line (producer/connection.py)."""
+        return {"PAGEDQ_REDIS_USERNAME": user,
+                "PAGEDQ_REDIS_PASSWORD_FILE": str(self.secrets / user)}
+
+
+class AclWorker(WorkerProc):
+    """A worker process that logs in as ``user``; its readiness is checked as admin."""
+
+    def __init__(self, acl_env: Env, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.admin = acl_env.raw("admin")
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        key = Keys(self.prefix).worker(self.worker_id)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited ({self.proc.returncode}):\n{self.log()}")
+            if self.admin.exists(key):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"worker not ready in {timeout}s:\n{self.log()}")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_dir):
+    d = tmp_path_factory.mktemp("acl")
+    secrets, aclfile = d / "secrets", d / "users.acl"
+    assert cli_main(["acl", "--tenant", f"{T1},{T2}", "--secrets-dir", str(secrets),
+                     "-o", str(aclfile)]) == 0
+    # Redis >= 7.0 (selectors, %R~/%W~): a clear error, not a skip, when there is none.
+    # DEBUG allowed from localhost, so that only the ACL can refuse it below.
+    srv = RedisServer(min_version=(7, 0), extra=["--aclfile", str(aclfile),
+                                                 "--enable-debug-command", "local"]).start()
+    e = Env(srv, secrets, aclfile)
+    w = AclWorker(e, srv.url, T1, model=tiny_dir,
+                  extra=["--served-name", MODEL, "--max-num-seqs", "2", "--prefixes",
+                         f"{T1},{T2}"],
+                  env={**e.user_env("worker"), "PAGEDQ_FAILPOINTS": "step_sleep_s=0.02",
+                       "PAGEDQ_LEASE_S": "2", "PAGEDQ_HEARTBEAT_TTL_S": "3"})
+    try:
+        w.start()
+        e.worker = w
+        yield e
+    finally:
+        w.stop(10)
+        for close in e.closers:
+            close()
+        srv.cleanup()
+
+
+def noperm(fn, *args, **kw) -> None:
+    """Run a call that the ACL must refuse (a NOPERM reply: redis-py's NoPermissionError)."""
+    with pytest.raises(redis.exceptions.NoPermissionError, match="no permissions"):
+        fn(*args, **kw)
+
+
+# ---------------------------------------------------------------- the file and the CLI
+
+def test_fair_shares_of_a_lane_among_tenants():
+    stock = {"a": 30, "b": 2, "c": 0}
+    calls = []
+
+    def read(ask):
+        calls.append(dict(ask))
+        out = {}
+        for t, n in ask.items():
+            out[t] = ["x"] * min(n, stock[t])
+            stock[t] -= len(out[t])
+        return out
+
+    got = fair_take(6, ["a", "b", "c"], read)
+    assert {t: len(v) for t, v in got.items()} == {"a": 4, "b": 2, "c": 0}
+    assert calls[0] == {"a": 2, "b": 2, "c": 2}  # equal shares first
+    calls.clear()
+    assert len(fair_take(1, ["b", "a"], read)["a"]) == 1 and calls == [{"b": 1}, {"a": 1}]
+    calls.clear()
+    assert len(fair_take(5, ["a"], read)["a"]) == 5 and calls == [{"a": 5}]  # one read
+    assert rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+
+
+def test_the_file_is_built_from_the_key_scheme_and_keeps_no_password(tmp_path, capsys,
+                                                                     monkeypatch):
+    pw = "p" * 20
+    monkeypatch.setenv("PAGEDQ_ACL_PASSWORD_PRODUCER_T_1", pw)
+    out = tmp_path / "users.acl"
+    assert cli_main(["acl", "--tenant", "t-1", "-o", str(out)]) == 0
+    text, err = out.read_text(), capsys.readouterr().err
+    lines = {ln.split()[1]: ln for ln in text.splitlines()}
+    assert set(lines) == {"default", "producer-t-1", "reader-t-1", "batch-t-1", "worker",
+                          "admin"}
+    assert lines["default"].startswith("user default off")
+    k = Keys("t-1")
+    producer = lines["producer-t-1"]
+    assert f"#{acl.password_hash(pw)}" in producer and pw not in text
+    # patterns from producer/keys.py; the jobs streams only in the scripts' selector
+    root, selector = producer.split(" (")
+    assert f"~{k.job('*')}" in root and f"&{k.chan('*')}" in root and k.jobs("*", "*") not in root
+    assert selector.startswith(f"~{k.jobs('*', '*')} ") and selector.endswith(
+        "+evalsha +eval +xadd +xgroup|create)")
+    assert f"%R~{k.job('*')}" in lines["reader-t-1"] and "+hset" not in lines["reader-t-1"]
+    assert "~rq:*" in lines["batch-t-1"] and f"~{k.base}:*" in lines["worker"]
+    assert all("-@dangerous" in ln for name, ln in lines.items()
+               if name not in ("admin", "default"))
+    # the other users' passwords were generated and shown once, on stderr only
+    shown = dict(ln.split() for ln in err.splitlines()[1:])
+    assert set(shown) == set(lines) - {"default", "producer-t-1"}
+    assert all(acl.password_hash(p) in lines[u] for u, p in shown.items())
+
+
+def test_every_script_command_is_seen_by_the_parser():
+    """A command a script runs that the parser missed would be missing from its role."""
+    for name in lua.NAMES:
+        text = lua.source(name)
+        calls = len(re.findall(r"redis\.p?call\s*\(|pcall\s*\(\s*redis\.call\s*,", text))
+        found = len(re.findall(r"redis\.p?call\s*[(,]\s*'[A-Za-z]+'", text))
+        assert calls == found, name
+    assert "xgroup|create" in acl.commands_of_scripts(("submit",))
+    assert "xrevrange" in acl.commands_of_scripts(("cancel",))  # pcall(redis.call, ...)
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "users.acl"
+    for argv, what in [(["--tenant", "bad{x}"], "invalid prefix"),
+                       (["--roles", "producer,boss"], "unknown role 'boss'"),
+                       (["--no-generate"], "no password for user producer-pagedq"),
+                       (["--tenant", "a,a"], "named twice")]:
+        assert cli_main(["acl", *argv, "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("pagedq: ") and what in err and err.count("\n") == 1, err
+    monkeypatch.setenv("PAGEDQ_ACL_PASSWORD_ADMIN", "short")
+    assert cli_main(["acl", "--roles", "admin", "-o", str(out)]) == 2
+    assert "shorter than 16" in capsys.readouterr().err and not out.exists()
+    monkeypatch.setenv("PAGEDQ_ACL_PASSWORD_ADMIN", "a-long-enough-password")
+    assert cli_main(["acl", "--roles", "admin", "-o", str(tmp_path / "no" / "x.acl")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pagedq: ") and "no/x.acl" in err and err.count("\n") == 1
+    # --secrets-dir: made once (0600), then read back: the same hashes
+    sec = tmp_path / "s"
+    monkeypatch.delenv("PAGEDQ_ACL_PASSWORD_ADMIN")
+    assert cli_main(["acl", "--roles", "admin,worker", "--secrets-dir", str(sec),
+                     "-o", str(out)]) == 0
+    first = out.read_text()
+    assert (sec / "admin").stat().st_mode & 0o777 == 0o600 and not capsys.readouterr().err
+    assert cli_main(["acl", "--roles", "admin,worker", "--secrets-dir", str(sec),
+                     "-o", str(out)]) == 0
+    assert out.read_text() == first
+
+
+# ---------------------------------------------------------------- roles on a real server
+
+def test_producer_submits_streams_and_cancels_its_own_jobs(env):
+    c = env.client(f"producer-{T1}")
+    job = c.submit("hello", max_tokens=5, ignore_eos=True)
+    evs = list(c.stream(job, timeout=60))
+    rec = c.result(job, timeout=60)
+    assert rec.status == "finished" and evs[-1].type == "final" and evs[-1].text == rec.text
+    assert c.status(job).usage.completion_tokens == 5
+    assert c.served_models() == {MODEL: 1}
+    long = c.submit("long", max_tokens=400, ignore_eos=True)
+    until(lambda: c.status(long).status == "running", "the long job running", 60)
+    assert c.cancel(long)
+    assert c.result(long, timeout=60).status == "cancelled"
+    # its own tenant's queue: it may add to it, never read or delete it
+    r, k = env.raw(f"producer-{T1}"), Keys(T1)
+    noperm(r.xrange, k.jobs(MODEL, "interactive"))
+    noperm(r.delete, k.jobs(MODEL, "interactive"))
+    noperm(r.scan, 0)
+    noperm(r.execute_command, "PSUBSCRIBE", k.chan("*"))
+    noperm(r.smembers, k.cancel)
+
+
+def test_reader_reads_with_read_only_rights(env, capsys, monkeypatch):
+    p = env.client(f"producer-{T1}")
+    job = p.submit("read me", max_tokens=4, ignore_eos=True)
+    rd = env.client(f"reader-{T1}")
+    rec = rd.result(job, timeout=60)  # no MULTI: a read-only user may wait for it
+    assert rec.status == "finished" and rd.status(job).text == rec.text
+    evs = list(rd.stream(job, timeout=30))
+    assert [e.index for e in evs] == list(range(len(evs))) and evs[-1].text == rec.text
+
+    async def read_async():
+        async with AsyncClient(settings=env.settings(f"reader-{T1}")) as ac:
+            return (await ac.result(job, timeout=30)).text
+    assert asyncio.run(read_async()) == rec.text
+    # any write is refused
+    r, k = env.raw(f"reader-{T1}"), Keys(T1)
+    noperm(rd.submit, "x")
+    noperm(rd.cancel, job)
+    noperm(r.hset, k.job(job), "status", "failed")
+    noperm(r.xadd, k.out(job), {"t": "final"})
+    noperm(r.delete, k.job(job))
+    noperm(r.publish, k.chan(job), "x")
+    assert rd.status(job).status == "finished"
+    # the CLI as the reader; for a queued job, `status` would also ask whether a worker
+    # serves its model: a script, which a reader may not run (the hint is left out)
+    queued = p.submit("wait", model="nobody-serves-this")
+    for name, value in env.user_env(f"reader-{T1}").items():
+        monkeypatch.setenv(name, value)
+    for job_id, status in ((job, "finished"), (queued, "queued")):
+        assert cli_main(["--redis-url", env.srv.url, "--prefix", T1, "status", job_id]) == 0
+        assert json.loads(capsys.readouterr().out)["status"] == status
+    assert p.cancel(queued)
+
+
+def test_another_tenant_cannot_read_cancel_or_forge_a_job(env):
+    a = env.client(f"producer-{T1}")
+    job = a.submit("tenant one's secret prompt", max_tokens=300, ignore_eos=True)
+    until(lambda: a.status(job).status == "running", "the job running", 60)
+    r, k = env.raw(f"producer-{T2}"), Keys(T1)
+    cancel_keys, cancel_args = cancel_call(k, job, Settings())
+    for what in (lambda: r.xrange(k.jobs(MODEL, "interactive")),
+                 lambda: r.hget(k.job(job), "status"),
+                 lambda: r.hset(k.job(job), "status", "finished"),
+                 lambda: r.xadd(k.out(job), {"t": "final", "text": "forged"}),
+                 lambda: r.evalsha(r.script_load(CANCEL_LUA), 3, *cancel_keys, *cancel_args),
+                 lambda: r.execute_command("SUBSCRIBE", k.chan(job))):
+        noperm(what)
+    # through the client too: its keys are tenant one's, its user tenant two's
+    b_on_1 = Client(settings=env.settings(f"producer-{T2}", prefix=T1))
+    try:
+        noperm(b_on_1.status, job)
+        noperm(b_on_1.cancel, job)
+    finally:
+        b_on_1.close()
+    with pytest.raises(JobNotFound):  # in its own tenant the id names nothing
+        env.client(f"producer-{T2}", T2).status(job)
+    assert a.cancel(job) and a.result(job, timeout=60).status == "cancelled"
+
+
+def test_non_admin_users_get_no_server_wide_command(env):
+    for user in NON_ADMIN:
+        r = env.raw(user)
+        noperm(r.flushall)
+        noperm(r.config_get, "maxmemory")
+        noperm(r.keys, "*")
+        noperm(r.execute_command, "DEBUG", "SLEEP", "0")
+        noperm(r.acl_setuser, user, enabled=True, commands=["+@all"])
+    # the admin reads what `pagedq inspect` reads
+    adm, k = env.raw("admin"), Keys(T1)
+    assert adm.config_get("maxmemory") and k.worker(env.worker.worker_id) in set(
+        adm.scan_iter(match=f"{k.base}:*"))
+    assert any(g["name"] == GROUP for g in adm.xinfo_groups(k.jobs(MODEL, "interactive")))
+    assert adm.hget(k.worker(env.worker.worker_id), "model") == MODEL
+    assert queue_counters(adm, k, MODEL).ok
+
+
+def test_one_worker_serves_two_tenants(env):
+    jobs = {p: env.client(f"producer-{p}", p).submit(f"from {p}", max_tokens=6,
+                                                     ignore_eos=True) for p in (T1, T2)}
+    adm = env.raw("admin")
+    for p, job in jobs.items():
+        rec = env.client(f"reader-{p}", p).result(job, timeout=60)
+        assert rec.status == "finished" and rec.usage.completion_tokens == 6
+        k = Keys(p)
+        assert adm.zscore(k.serving(MODEL), env.worker.worker_id)  # announced in both
+        assert queue_counters(adm, k, MODEL).ok
+        assert adm.xpending(k.jobs(MODEL, "interactive"), GROUP)["pending"] == 0
+    assert "NOPERM" not in env.worker.log(None) and "no permissions" not in env.worker.log(None)
+
+
+def test_takeover_and_dead_letters_use_the_jobs_tenant(env):
+    """An entry of tenant two left pending by a dead consumer is taken over, and a bad one
+    dead-lettered, each with tenant two's keys."""
+    w, adm, k2 = env.worker, env.raw("admin"), Keys(T2)
+    b = env.client(f"producer-{T2}", T2)
+    stream = k2.jobs(MODEL, "interactive")
+    w.signal(signal.SIGSTOP)  # so that the dead consumer, not the worker, reads the entry
+    try:
+        # its last blocking XREADGROUP (500 ms) must have ended, or it would still get it
+        until(lambda: not any("b" in c["flags"] for c in adm.client_list()),
+              "no client blocked on a stream", 10)
+        job = b.submit("orphan", max_tokens=3, ignore_eos=True)
+        assert adm.xreadgroup(GROUP, "ghost", {stream: ">"}, count=1)
+        adm.xadd(stream, {"job": "bad-entry", "body": "{not json"})
+    finally:
+        w.signal(signal.SIGCONT)
+    rec = b.result(job, timeout=60)  # after PAGEDQ_LEASE_S=2
+    assert rec.status == "finished" and rec.usage.completion_tokens == 3
+    assert '"entry_reclaimed"' in w.log(None) and f'"prefix": "{T2}"' in w.log(None)
+    bad = b.result("bad-entry", timeout=60)
+    assert bad.status == "failed" and "not JSON" in bad.error
+    (_, entry), = adm.xrange(k2.dlq(MODEL, "interactive"))
+    assert entry["job"] == "bad-entry" and not adm.exists(Keys(T1).dlq(MODEL, "interactive"))
+    assert adm.xpending(stream, GROUP)["pending"] == 0
+
+
+def test_a_tenants_flood_does_not_starve_another_tenant(env):
+    """Tenant one floods 30 jobs, tenant two sends 2 after them: with 2 seats and fair
+    shares, tenant two's jobs start long before tenant one's flood has run."""
+    a, b = env.client(f"producer-{T1}"), env.client(f"producer-{T2}", T2)
+    flood = a.submit_many([{"prompt": f"flood {i}", "max_tokens": 5, "ignore_eos": True}
+                           for i in range(30)])
+    late = [b.submit(f"late {i}", max_tokens=5, ignore_eos=True) for i in range(2)]
+    started = {j: a.result(j, timeout=180).started_at for j in flood}
+    b_started = max(b.result(j, timeout=180).started_at for j in late)
+    after = sum(t > b_started for t in started.values())
+    assert after >= 20, f"tenant two started after {30 - after} of tenant one's 30 jobs"
+
+
+def test_batch_user_runs_a_batch_through_a_real_rq_worker(env, tmp_path):
+    user, batch_dir = f"batch-{T1}", tmp_path / "batches"
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps({"custom_id": f"r{i}", "method": "POST",
+                                         "url": "/v1/completions",
+                                         "body": {"prompt": f"p{i}", "max_tokens": 3}})
+                             for i in range(4)) + "\n")
+    # tests/test_batch_e2e.py's RqWorker, started as `pagedq batch worker` under the batch
+    # user (its name and secrets file in the environment); registration checked as admin
+    rq = RqWorker(env.srv.url, batch_dir,
+                  {**env.user_env(user), "PAGEDQ_BATCH_QUEUE": "acl-batch"})
+    rq.name, rq._log = f"rq-{os.urandom(4).hex()}", open(rq.log_path, "ab")
+    rq.proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "--redis-url", env.srv.url, "batch", "worker",
+         "--prefix", T1, "--name", rq.name], stdout=rq._log, stderr=subprocess.STDOUT,
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **rq.env})
+    adm = env.raw("admin")
+    try:
+        until(lambda: rq.proc.poll() is not None
+              or adm.sismember("rq:workers", f"rq:worker:{rq.name}"),
+              "the rq worker registered", 60, 0.05)
+        assert rq.proc.poll() is None, rq.log()
+        bs = BatchSettings(batch_dir=str(batch_dir), batch_queue="acl-batch")
+        with Batches(env.srv.url, prefix=T1, model=MODEL, settings=env.settings(user),
+                     batch_settings=bs) as bt:
+            b = bt.create(src)
+            end = bt.wait(b.id, timeout=120)
+            assert end.status == "completed", (end, rq.log())
+            assert sorted(r["custom_id"] for r in bt.results(b.id)) == [f"r{i}"
+                                                                       for i in range(4)]
+        assert "NOPERM" not in rq.log() and "no permissions" not in rq.log(), rq.log()
+    finally:
+        rq.stop()
