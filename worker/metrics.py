@@ -1,8 +1,14 @@
-"""Prometheus metrics, vLLM's names under the `pagedq:` prefix, plus queue metrics.
-One registry per Worker (several workers may live in one test process)."""
+"""Prometheus metrics, vLLM's names under the `pagedq:` prefix, plus queue metrics and the
+GPU gauges (worker/gpu_metrics.py). One registry per Worker (several workers may live in
+one test process). Served with /healthz and /readyz by worker/http_server.py; the names
+are listed in docs/deployment.md and used by deploy/grafana/dashboards/pagedq.json."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from worker import http_server
+from worker.gpu_metrics import GpuCollector
+from worker.health import Health
 
 _LAT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)
@@ -37,6 +43,13 @@ class Metrics:
         self.reclaims = c("reclaims", "Entries reclaimed from dead or stale workers")
         self.finished = Counter("pagedq:request_success", "Jobs ended, by status",
                                 ["status"], registry=reg)
+        self.gpu: GpuCollector | None = None
+        self.server = None  # the HTTP server, once serve() ran
+
+    def watch_device(self, device) -> None:
+        """Export the GPU gauges of ``device`` (a torch.device; families only on a CPU)."""
+        self.gpu = GpuCollector(device)
+        self.registry.register(self.gpu)
 
     def observe_engine(self, engine) -> None:
         """Gauges of the engine's state, and preemptions since the last call."""
@@ -48,8 +61,9 @@ class Metrics:
             self.preemptions.inc(total - self._preemptions_seen)
             self._preemptions_seen = total
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Expose /metrics on ``host``:``port`` (port 0 = pick a free one); returns the port.
-        The default host is loopback only; "0.0.0.0" listens on every interface."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_port
+    def serve(self, port: int, host: str = "127.0.0.1", health: Health | None = None) -> int:
+        """Expose /metrics (and, given ``health``, /healthz and /readyz) on ``host``:``port``
+        (port 0 = pick a free one); returns the port. The default host is loopback only;
+        "0.0.0.0" listens on every interface."""
+        self.server = http_server.serve(self.registry, health, port, host)
+        return self.server.server_port
