@@ -19,10 +19,10 @@ from typing import Any, BinaryIO
 
 from pydantic import ValidationError
 
+from ..openai_api import ENDPOINTS, body_problem
 from ..schema import JobRequest, describe
 
 LANE = "batch"  # the jobs stream lane every batch job rides
-ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 # set by the batch for every line, refused in a body
 BATCH_FIELDS = ("id", "lane", "timeout_s", "v")
 # codes of the error file for lines that never became jobs because they are invalid
@@ -115,24 +115,14 @@ def parse(raw: bytes, line: int, model: str) -> Parsed | LineError:
 
 
 def _shape_problem(kind: str, data: dict[str, Any]) -> str | None:
-    """Checks JobRequest cannot make (it knows no endpoints); unwraps a one-prompt list."""
+    """Checks JobRequest cannot make: a batch's own (no stream, no fields the batch sets),
+    then the endpoint's (producer/openai_api.py, shared with the HTTP gateway)."""
     if data.pop("stream", False) not in (False, None):
         return "stream is not supported in a batch"
     for name in BATCH_FIELDS:
         if name in data:
             return f"{name} is set by the batch, not by a line"
-    if kind == "chat":
-        if "prompt" in data:
-            return "/v1/chat/completions takes messages, not prompt"
-        return None
-    if "messages" in data:
-        return "/v1/completions takes prompt, not messages"
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        if len(prompt) != 1:
-            return "one prompt per line (a list of prompts is not supported)"
-        data["prompt"] = prompt[0]  # OpenAI's ["text"] or [[ids]]
-    return None
+    return body_problem(kind, data)
 
 
 def request(p: Parsed, batch_id: str, model: str,

@@ -6,13 +6,14 @@ id>, "body": <text_completion or chat.completion>}, "error": null}``. Error line
 add ``"line"``). Only a job that finished normally is an output line. ``batch_expired``:
 a job cut by its deadline (status finished, finish_reason deadline), expired, cancelled
 after the window's end, or failed once its deadline had passed (a worker refuses a job
-it cannot prefill before its deadline).
+it cannot prefill before its deadline). The response bodies are producer/openai_api.py's,
+the same the HTTP gateway returns.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from ..openai_api import choices_of, response_body, token_logprobs
 from ..schema import FinishReason, Status
 from .lines import Line, LineError
 
@@ -80,65 +81,11 @@ def _for_want_of_time(h: dict[str, str], error: str) -> bool:
 
 def result_line(ln: Line, job_id: str, h: dict[str, str], model: str,
                 events: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    if h.get("choices"):
-        choices = json.loads(h["choices"])
-    else:
-        choices = [{"index": 0, "text": h.get("text", ""),
-                    "finish_reason": h.get("finish_reason", "")}]
+    choices = choices_of(h)
     lps = token_logprobs(events, len(choices)) if events is not None else None
-    pt, ct = int(h.get("prompt_tokens") or 0), int(h.get("completion_tokens") or 0)
-    body: dict[str, Any] = {
-        "id": ("chatcmpl-" if ln.kind == "chat" else "cmpl-") + job_id,
-        "object": "chat.completion" if ln.kind == "chat" else "text_completion",
-        "created": int(float(h.get("finished_at") or h.get("created_at") or 0)),
-        "model": model,
-        "choices": [_choice(ln.kind, c, lps[c["index"]] if lps else None) for c in choices],
-        "usage": {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct},
-    }
+    body = response_body(ln.kind, job_id, model,
+                         int(float(h.get("finished_at") or h.get("created_at") or 0)), choices,
+                         lps, int(h.get("prompt_tokens") or 0), int(h.get("completion_tokens") or 0))
     return {"id": request_id(job_id), "custom_id": ln.custom_id,
             "response": {"status_code": 200, "request_id": job_id, "body": body},
             "error": None}
-
-
-def _choice(kind: str, c: dict[str, Any], lp: list[dict[str, Any]] | None) -> dict[str, Any]:
-    if kind == "chat":
-        return {"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                "logprobs": None if lp is None else _chat_logprobs(lp),
-                "finish_reason": c["finish_reason"]}
-    return {"index": c["index"], "text": c["text"],
-            "logprobs": None if lp is None else _completion_logprobs(lp),
-            "finish_reason": c["finish_reason"]}
-
-
-def token_logprobs(events: list[dict[str, str]], n: int) -> list[list[dict[str, Any]]] | None:
-    """Per choice, the ``lp`` entries of the job's token events in order; None when the
-    log does not start at event 0 (trimmed) or lacks them."""
-    if not events or int(events[0].get("i", -1)) != 0:
-        return None
-    out: list[list[dict[str, Any]]] = [[] for _ in range(n)]
-    for ev in events:
-        if ev.get("t") != "token":
-            continue
-        if "lp" not in ev:
-            return None
-        c = int(ev.get("c") or 0)
-        if c < n:
-            out[c].extend(json.loads(ev["lp"]))
-    return out
-
-
-def _chat_logprobs(lp: list[dict[str, Any]]) -> dict[str, Any]:
-    def entry(t: dict[str, Any]) -> dict[str, Any]:
-        return {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode())}
-    return {"content": [{**entry(t), "top_logprobs": [entry(x) for x in t.get("top", [])]}
-                        for t in lp], "refusal": None}
-
-
-def _completion_logprobs(lp: list[dict[str, Any]]) -> dict[str, Any]:
-    offsets, pos = [], 0
-    for t in lp:
-        offsets.append(pos)
-        pos += len(t["token"])
-    return {"tokens": [t["token"] for t in lp], "token_logprobs": [t["logprob"] for t in lp],
-            "top_logprobs": [{x["token"]: x["logprob"] for x in t.get("top", [])} for t in lp],
-            "text_offset": offsets}

@@ -1,0 +1,170 @@
+"""The FastAPI application: OpenAI's routes over pagedq (docs/gateway.md).
+
+``create_app()`` builds it from the environment (PAGEDQ_*, PAGEDQ_GATEWAY_*, PAGEDQ_BATCH_*),
+which is how ``pagedq gateway`` hands its options to every uvicorn worker process. Each
+request is admitted (API key -> tenant, rate limits: gateway/auth.py), then served with its
+tenant's AsyncClient or AsyncBatches (gateway/tenants.py).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from producer.batch import BatchSettings
+from producer.connection import redis_kwargs
+from producer.settings import Settings
+
+from . import batches, completions
+from .auth import Auth
+from .errors import APIError, from_pagedq
+from .requests import parse_json
+from .settings import GatewaySettings
+from .tenants import Tenants
+
+log = logging.getLogger("pagedq.gateway")
+
+
+class Gateway:
+    """What every request shares: settings, the admission check, the tenants' clients."""
+
+    def __init__(self, settings: Settings, gateway: GatewaySettings,
+                 batch_settings: BatchSettings) -> None:
+        self.settings, self.gateway, self.batch_settings = settings, gateway, batch_settings
+        self.redis = aredis.Redis.from_url(settings.redis_url, decode_responses=True,
+                                           **redis_kwargs(settings))
+        self.auth = Auth(self.redis, settings.prefix, gateway.auth, gateway.keys_file)
+        self.tenants = Tenants(settings, batch_settings)
+
+    async def aclose(self) -> None:
+        await self.tenants.aclose()
+        await self.redis.aclose()
+
+
+def create_app(settings: Settings | None = None, gateway: GatewaySettings | None = None,
+               batch_settings: BatchSettings | None = None) -> FastAPI:
+    gw = Gateway(settings or Settings(), gateway or GatewaySettings(),
+                 batch_settings or BatchSettings())
+    if not log.handlers:  # one line per event on stderr, as uvicorn's own
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     pagedq.gateway %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(gw.gateway.log_level.upper())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await gw.aclose()
+
+    app = FastAPI(title="pagedq gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.gateway = gw
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> Response:
+        return JSONResponse(e.body(), e.status, headers=e.headers())
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(APIError(e.status_code, str(e.detail), code).body(), e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_parameter(request: Request, e: RequestValidationError) -> Response:
+        err = e.errors()[0] if e.errors() else {}
+        loc = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
+        body = APIError(400, f"{loc}: {err.get('msg', 'invalid')}", "invalid_request", loc)
+        return JSONResponse(body.body(), 400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> Response:
+        err = from_pagedq(e) if isinstance(e, redis.RedisError) else None
+        if err is None:
+            log.exception("unexpected_error path=%s", request.url.path)
+            err = APIError(500, "internal error of the gateway", "internal_error")
+        return JSONResponse(err.body(), err.status, headers=err.headers())
+
+    async def tenant(request: Request) -> str:
+        return (await gw.auth.admit(request.headers.get("authorization"), 0)).tenant
+
+    @app.get("/health")
+    async def health() -> Response:
+        """Unauthenticated: 200 while Redis answers (for load balancers)."""
+        try:
+            await gw.redis.ping()
+        except redis.RedisError:
+            return JSONResponse({"status": "redis unavailable"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await completions.handle(gw, "chat", request)
+
+    @app.post("/v1/completions")
+    async def completion(request: Request) -> Response:
+        return await completions.handle(gw, "completion", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        served = await gw.tenants.client(await tenant(request)).served_models()
+        return JSONResponse({"object": "list", "data": [_model(m) for m in sorted(served)]})
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str, request: Request) -> Response:
+        served = await gw.tenants.client(await tenant(request)).served_models()
+        if model not in served:
+            raise APIError(404, f"the model {model!r} does not exist: no worker serves it",
+                           "model_not_found", "model")
+        return JSONResponse(_model(model))
+
+    @app.post("/v1/files")
+    async def upload(request: Request) -> Response:
+        return JSONResponse(await batches.upload(gw, await tenant(request), request))
+
+    @app.get("/v1/files")
+    async def list_files(request: Request, limit: int = 100) -> Response:
+        return JSONResponse(await batches.list_files(gw, await tenant(request), limit))
+
+    @app.get("/v1/files/{file_id}")
+    async def retrieve_file(file_id: str, request: Request) -> Response:
+        return JSONResponse(await batches.retrieve_file(gw, await tenant(request), file_id))
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str, request: Request) -> Response:
+        return await batches.file_content(gw, await tenant(request), file_id)
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str, request: Request) -> Response:
+        return JSONResponse(await batches.delete_file(gw, await tenant(request), file_id))
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request) -> Response:
+        t = await tenant(request)
+        return JSONResponse(await batches.create_batch(
+            gw, t, parse_json(await completions.read_body(request, 1024 * 1024))))
+
+    @app.get("/v1/batches")
+    async def list_batches(request: Request, limit: int = 20) -> Response:
+        return JSONResponse(await batches.list_batches(gw, await tenant(request), limit))
+
+    @app.get("/v1/batches/{batch_id}")
+    async def retrieve_batch(batch_id: str, request: Request) -> Response:
+        return JSONResponse(await batches.retrieve_batch(gw, await tenant(request), batch_id))
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str, request: Request) -> Response:
+        return JSONResponse(await batches.cancel_batch(gw, await tenant(request), batch_id))
+
+    return app
+
+
+def _model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "pagedq"}

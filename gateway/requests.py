@@ -1,0 +1,133 @@
+"""An HTTP request body of /v1/completions or /v1/chat/completions -> the JobRequest it
+submits, and what the response needs (stream or not, usage, logprobs, detach, resume).
+
+The body is OpenAI's; what JobRequest takes beyond it (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``priority``,
+``lane``, ``timeout_s``, ``metadata``) is accepted too, as vLLM accepts its extras. The
+endpoint shape is producer/openai_api.py's (shared with batch files). Fields of the
+gateway itself go in the extension object ``pagedq``:
+
+* ``detach`` (bool): the job goes on when the client disconnects (default: cancelled);
+  also the header ``X-Pagedq-Detach: 1``;
+* ``job_id`` (string, ``[A-Za-z0-9_.:-]{1,128}``): the job's id (default: a new uuid4
+  hex). Sending the same body with the same id again is idempotent (the job is not made
+  twice; the response follows it), a different body with it is refused (409).
+
+Deterministic: the same body gives the same JobRequest (same bytes), which is what makes
+a re-sent request with a ``job_id`` idempotent.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from producer.keys import JOB_ID_RE
+from producer.openai_api import body_problem
+from producer.schema import JobRequest, describe
+from producer.scripts import queued_tokens_of
+
+from .errors import APIError, bad_request
+
+GATEWAY_FIELDS = ("id", "v")  # set by the gateway, refused in a body
+EXTENSION = "pagedq"
+TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    kind: str  # "chat" or "completion"
+    req: JobRequest  # with its id and model
+    stream: bool
+    include_usage: bool
+    detach: bool
+    resume: tuple[str, int, int] | None  # Last-Event-ID: (job id, event, chunk)
+
+    @property
+    def job_id(self) -> str:
+        return self.req.id  # type: ignore[return-value]
+
+    @property
+    def logprobs(self) -> bool:
+        return self.req.logprobs is not None
+
+    def est_tokens(self) -> int:
+        """What the request may cost: prompt characters / 4 + max_tokens for each choice."""
+        return queued_tokens_of(self.req) + (self.req.n - 1) * self.req.max_tokens
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the body is not JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def parse_event_id(value: str) -> tuple[str, int, int]:
+    """``<job id>/<event>.<chunk>`` (gateway/stream.py) -> its parts; 400 if malformed."""
+    job, _, pos = value.strip().rpartition("/")
+    k, _, j = pos.partition(".")
+    if not (JOB_ID_RE.match(job) and k.isdigit() and j.isdigit()):
+        raise bad_request(f"Last-Event-ID {value!r} is not an event id of this gateway "
+                          "(<job id>/<event>.<chunk>)", "Last-Event-ID", "invalid_event_id")
+    return job, int(k), int(j)
+
+
+def generation(kind: str, body: dict[str, Any], default_model: str,
+               headers: dict[str, str]) -> Generation:
+    """The request of a body (``headers``: lower-case names); APIError 400 if invalid."""
+    data = {k: v for k, v in body.items() if v is not None}  # OpenAI clients send nulls
+    model = data.pop("model", default_model)
+    stream = data.pop("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be true or false", "stream")
+    opts = data.pop("stream_options", {})
+    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+        raise bad_request("stream_options takes include_usage", "stream_options")
+    if opts and not stream:
+        raise bad_request("stream_options needs stream: true", "stream_options")
+    include_usage = opts.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad_request("stream_options.include_usage must be true or false",
+                          "stream_options")
+    ext = data.pop(EXTENSION, {})
+    if not isinstance(ext, dict) or set(ext) - {"detach", "job_id"}:
+        raise bad_request("pagedq takes detach and job_id", EXTENSION)
+    detach = ext.get("detach", False)
+    if not isinstance(detach, bool):
+        raise bad_request("pagedq.detach must be true or false", "pagedq.detach")
+    detach = detach or headers.get("x-pagedq-detach", "").strip().lower() in TRUE
+    for name in GATEWAY_FIELDS:
+        if name in data:
+            raise bad_request(f"{name} is set by the gateway (a job id: pagedq.job_id)", name)
+    problem = body_problem(kind, data)
+    if problem:
+        raise bad_request(problem, "messages" if kind == "chat" else "prompt")
+    job_id = ext.get("job_id")
+    if job_id is not None and not (isinstance(job_id, str) and JOB_ID_RE.match(job_id)):
+        raise bad_request("pagedq.job_id must be 1-128 of [A-Za-z0-9_.:-]", "pagedq.job_id")
+    resume = None
+    if last := headers.get("last-event-id"):
+        resume = parse_event_id(last)
+        if job_id is not None and job_id != resume[0]:
+            raise bad_request("Last-Event-ID names another job than pagedq.job_id",
+                              "Last-Event-ID")
+        job_id = resume[0]
+        if not stream:
+            raise bad_request("Last-Event-ID resumes a stream: send stream: true",
+                              "Last-Event-ID")
+    data.update(id=job_id or uuid.uuid4().hex, model=model)
+    try:
+        req = JobRequest.model_validate(data)
+    except ValidationError as e:
+        msg = describe(e)
+        head = msg.split(":", 1)[0]
+        raise APIError(400, msg, "invalid_request",
+                       head if head and " " not in head else None) from None
+    return Generation(kind, req, stream, include_usage, detach, resume)

@@ -1,0 +1,136 @@
+"""A job's event log -> Server-Sent Events in OpenAI's chunk format, each with an id.
+
+Every SSE event carries ``id: <job id>/<k>.<j>``: chunk ``j`` of the rendering of the
+job's event ``k`` (docs/protocol.md: event k is out-stream entry ``0-(k+1)``). ``/`` is
+not in a job id's alphabet, so the id splits unambiguously. Rendering is deterministic:
+event k gives the same chunks, in the same order, on every connection:
+
+* event 0 of a chat job starts with one chunk naming the assistant (``role``) for each
+  choice;
+* a token event: one chunk with its choice's text delta (and its logprobs when asked);
+* the final event: one chunk with every choice's ``finish_reason`` (status finished or
+  cancelled) or one ``{"error": ...}`` event (failed, expired), then the usage chunk
+  (``stream_options.include_usage``), then ``data: [DONE]``.
+
+A client that reconnects with ``Last-Event-ID: <job>/<k>.<j>`` gets the job's events from
+k on (AsyncClient.stream from index k), minus event k's chunks up to j: no gap, no repeat.
+The only state carried across events, a completion's logprob ``text_offset``, is rebuilt
+from the log before k.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from producer.aio import AsyncClient
+from producer.openai_api import (
+    CHAT,
+    chat_logprobs,
+    chunk,
+    chunk_choice,
+    completion_logprobs,
+    usage,
+)
+from producer.schema import Event, FinalEvent, FinishReason, Status, TokenEvent
+
+DONE = "[DONE]"
+
+
+def event_id(job_id: str, k: int, j: int) -> str:
+    return f"{job_id}/{k}.{j}"
+
+
+def frame(eid: str, data: dict[str, Any] | str) -> bytes:
+    """One SSE event (``data`` is one line: JSON never holds a raw newline)."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"id: {eid}\ndata: {payload}\n\n".encode()
+
+
+class Renderer:
+    """Chunks of one job's events; ``offsets``: per choice, the completion text offset of
+    the next token (logprobs of completions only)."""
+
+    def __init__(self, kind: str, job_id: str, model: str, created: int, n: int,
+                 include_usage: bool, logprobs: bool, offsets: list[int] | None = None) -> None:
+        self.kind, self.job_id, self.model, self.created = kind, job_id, model, created
+        self.n, self.include_usage, self.logprobs = n, include_usage, logprobs
+        self.offsets = offsets or [0] * n
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return chunk(self.kind, self.job_id, self.model, self.created, choices,
+                     self.include_usage)
+
+    def render(self, ev: Event) -> list[dict[str, Any] | str]:
+        """Event ``ev``'s chunks, in order (their index is the ``j`` of their ids)."""
+        out: list[dict[str, Any] | str] = []
+        if ev.index == 0 and self.kind == CHAT:
+            out.append(self._chunk([chunk_choice(CHAT, c, role=True) for c in range(self.n)]))
+        if isinstance(ev, TokenEvent):
+            out.append(self._chunk([self._token(ev)]))
+            return out
+        assert isinstance(ev, FinalEvent)
+        if ev.status in (Status.finished, Status.cancelled):
+            reasons = {c.index: c.finish_reason for c in ev.choices or []}
+            out.append(self._chunk([chunk_choice(self.kind, c, finish_reason=reasons.get(
+                c, ev.finish_reason) or ev.finish_reason) for c in range(self.n)]))
+        else:
+            out.append(final_error(ev))
+        if self.include_usage:
+            c = self._chunk([])
+            c["usage"] = usage(ev.usage.prompt_tokens, ev.usage.completion_tokens)
+            out.append(c)
+        out.append(DONE)
+        return out
+
+    def _token(self, ev: TokenEvent) -> dict[str, Any]:
+        lp = None
+        if self.logprobs and ev.logprobs is not None:
+            entries = [t.model_dump() for t in ev.logprobs]
+            if self.kind == CHAT:
+                lp = chat_logprobs(entries)
+            else:
+                lp = completion_logprobs(entries, self.offsets[ev.choice])
+                self.offsets[ev.choice] += sum(len(t["token"]) for t in entries)
+        return chunk_choice(self.kind, ev.choice, ev.delta, logprobs=lp)
+
+
+def final_error(ev: FinalEvent) -> dict[str, Any]:
+    """The error a failed or expired job ends its stream with (OpenAI's SDKs raise it)."""
+    if ev.status == Status.expired and ev.finish_reason == FinishReason.no_worker:
+        code, msg = "no_worker", "no worker served the model; the job expired"
+    elif ev.status == Status.expired:
+        code, msg = "deadline", "the job's timeout_s ran out before it started"
+    else:
+        code, msg = "job_failed", ev.error or "the job failed"
+    return {"error": {"message": msg, "type": "server_error", "param": None, "code": code}}
+
+
+async def offsets_before(client: AsyncClient, job_id: str, k: int, n: int) -> list[int]:
+    """Per choice, the completion text offset after events 0..k-1 (for a resumed stream)."""
+    offsets = [0] * n
+    if k <= 0:
+        return offsets
+    for _, f in await client.redis.xrange(client.keys.out(job_id), "0-1", f"0-{k}"):
+        c = int(f.get("c") or 0)
+        if f.get("t") == "token" and f.get("lp") and c < n:
+            offsets[c] += sum(len(t["token"]) for t in json.loads(f["lp"]))
+    return offsets
+
+
+async def sse(client: AsyncClient, r: Renderer, start: int = 0, skip_through: int = -1,
+              created: Awaitable[int] | None = None
+              ) -> AsyncIterator[tuple[bytes, FinalEvent | None]]:
+    """(SSE bytes, the final event once it is reached) for the job's events from
+    ``start``; the chunks of event ``start`` up to ``skip_through`` are left out (a
+    resumed stream). ``created``: the chunks' ``created``, awaited before the first
+    (it is read while the stream waits for that event)."""
+    async for ev in client.stream(r.job_id, from_index=start):
+        if created is not None:
+            r.created, created = await created, None
+        chunks = r.render(ev)
+        final = ev if isinstance(ev, FinalEvent) else None
+        yield b"".join(frame(event_id(r.job_id, ev.index, j), c) for j, c in enumerate(chunks)
+                       if not (ev.index == start and j <= skip_through)), final
+        if final is not None:
+            return
