@@ -7,8 +7,10 @@ One warm-up call, then one timed call. Also reports KV waste: the share of alloc
 KV slots (blocks of running sequences x block size) not holding a computed token,
 sampled every 8th step.
 
-  python bench/offline.py [--shape qwen3-0.6b|llama-3.2-1b|llama-3.1-8b] [--num-seqs 256]
+  python bench/offline.py [--shape qwen3-0.6b|llama-3.2-1b|llama-3.1-8b|llama-3.1-70b]
+                          [--num-seqs 256] [--tensor-parallel-size N]
                           [--enforce-eager] [--disable rms_norm,fused_add_rms_norm,apply_rotary]
+(bench/tp.py runs it at several --tensor-parallel-size values and compares.)
 """
 from __future__ import annotations
 
@@ -44,6 +46,15 @@ SHAPES = {
                          rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                        "original_max_position_embeddings": 8192}),
+    # 141 GB of bf16 weights: more than one H200 holds (--tensor-parallel-size 2)
+    "llama-3.1-70b": dict(architectures=["LlamaForCausalLM"], model_type="llama",
+                          vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                          num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                          head_dim=128, rope_theta=500000.0, tie_word_embeddings=False,
+                          max_position_embeddings=131072,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192}),
 }
 PHYSICAL_LIMIT = {"qwen3-0.6b": 35600.0}  # tok/s on the H200 (docs/benchmarks.md)
 
@@ -119,6 +130,9 @@ def main() -> int:
     ap.add_argument("--no-async", action="store_true", help="synchronous scheduling")
     ap.add_argument("--disable", default="", help="kernels to replace by their torch twins")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks sharing the model: one process per GPU, cuda:0..N-1")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--out", default=None, help="folder for the JSON result")
     ap.add_argument("--smoke", action="store_true", help="clip prompts/outputs to 16 tokens")
     args = ap.parse_args()
@@ -132,7 +146,9 @@ def main() -> int:
                        max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enforce_eager=args.enforce_eager, device=args.device,
-                       async_scheduling=not args.no_async, kv_cache_dtype=args.kv_cache_dtype)
+                       async_scheduling=not args.no_async, kv_cache_dtype=args.kv_cache_dtype,
+                       tensor_parallel_size=args.tensor_parallel_size,
+                       gpu_memory_utilization=args.gpu_memory_utilization)
     load_s = time.perf_counter() - t
     prompts, params = workload(args.num_seqs)
     if args.smoke:  # a quick check of the script itself, e.g. on the CPU
@@ -152,6 +168,7 @@ def main() -> int:
                disabled=args.disable, prompt_tokens=sum(map(len, prompts)),
                expected_output_tokens=sum(p.max_tokens for p in params),
                num_kv_blocks=engine.runner.num_kv_blocks, load_s=load_s,
+               tensor_parallel_size=args.tensor_parallel_size,
                cuda_graphs=len(engine.runner.graphs),
                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     if args.shape in PHYSICAL_LIMIT and res["device"] != "cpu":
@@ -166,6 +183,7 @@ def main() -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         tag = f"{args.shape}-{args.num_seqs}{'-eager' if args.enforce_eager else ''}" + \
+              (f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "") + \
               ("-sync" if args.no_async else "") + \
               ("-fp8" if args.kv_cache_dtype == "fp8" else "") + \
               (f"-no-{args.disable.replace(',', '+')}" if args.disable else "")

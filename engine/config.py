@@ -30,6 +30,10 @@ class EngineConfig:
     # "priority": waiting requests by (priority, arrival); a waiting request may preempt a
     # running one of lower priority for a seat or KV blocks. "fcfs": arrival order only.
     scheduling_policy: str = "priority"
+    # ranks sharing the model (Megatron-style tensor parallelism, engine/distributed.py):
+    # one process per rank (per GPU: cuda:N..N+size-1), all-reduce over NCCL (gloo on the
+    # CPU). 1: the single-device path, no process started
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -53,5 +57,8 @@ class EngineConfig:
             raise ValueError("load_format must be 'auto' or 'dummy'")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1 "
+                             f"(got {self.tensor_parallel_size!r})")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("dtype must be auto, float32, bfloat16 or float16")

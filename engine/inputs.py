@@ -15,10 +15,16 @@ non-blocking copy each, so building a step never waits for the device. The last 
 token of a sampling row whose sequence is a row of the step still in flight (its
 placeholder, engine/pipeline.py) is gathered on the device from that step's sampled-token
 tensor.
+
+Building is two halves: ``pack`` (host only: the arrays and the row bookkeeping) and
+``unpack`` (the copies and device work). Tensor parallelism: only the driver packs; it
+sends the ``Packed`` step to the other ranks, and every rank unpacks it into its own
+``tables`` (so the ranks' tables stay identical: same updates, same growth).
 """
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +34,25 @@ from engine.layers.attention import AttentionMetadata
 from engine.sequence import Sequence
 
 
+@dataclass(slots=True)
+class Packed:
+    """One step's inputs as host arrays (what the driver sends the other ranks).
+    big (int64) = ids[T] + positions[T] + slots[T] + sample rows[S] + table rows[B] +
+    table updates' flat indices[U] + placeholder destinations[P] + their sources[P];
+    small (int32) = seq_lens[B] + cu_seqlens_q[B+1] + table updates' values[U]."""
+
+    big: array
+    small: array
+    T: int
+    B: int
+    S: int
+    U: int
+    P: int
+    max_blocks: int
+    max_seqlen_q: int
+    num_rows: int  # rows ``tables`` must have (it only grows)
+
+
 class InputBuilder:
     def __init__(self, device: torch.device, config: EngineConfig, max_model_len: int) -> None:
         self.device = device
@@ -35,6 +60,7 @@ class InputBuilder:
         self.max_model_len = max_model_len
         self.width = -(-max_model_len // config.block_size)
         num_rows = 2 * config.max_num_seqs  # to start with: grows when a batch needs more
+        self.num_rows = num_rows  # pack's view; unpack grows ``tables`` to match
         self.tables = torch.zeros(num_rows, self.width, dtype=torch.int32, device=device)
         # seq -> [row, the block_table list object synced, number of its blocks synced]
         self._rows: dict[Sequence, list] = {}
@@ -49,14 +75,13 @@ class InputBuilder:
             keep = set(batch_seqs)
             for s in [s for s in self._rows if s not in keep]:
                 self._free.append(self._rows.pop(s)[0])
-        if not self._free:  # more sequences in one batch than rows: grow
-            n = self.tables.shape[0]
-            self.tables = torch.cat([self.tables, torch.zeros_like(self.tables)])
+        if not self._free:  # more sequences in one batch than rows: grow (unpack's cat)
+            n = self.num_rows
+            self.num_rows = 2 * n
             self._free = list(range(2 * n - 1, n - 1, -1))
         entry = self._rows[seq] = [self._free.pop(), seq.block_table, 0]
         return entry
 
-    @torch.inference_mode()  # in-place updates of self.tables, whichever mode made it
     def build(self, batch: ScheduledBatch, pending: dict[Sequence, int] | None = None,
               prev_tokens: torch.Tensor | None = None):
         """(input_ids [T], positions [T], AttentionMetadata, sample_rows [N]).
@@ -64,6 +89,11 @@ class InputBuilder:
         ``pending`` maps each sequence that sampled in the step still in flight to its row
         in ``prev_tokens`` (that step's device tensor): a sampling row whose sequence is
         in it takes its last token from there (the host holds a placeholder)."""
+        return self.unpack(self.pack(batch, pending), prev_tokens)
+
+    def pack(self, batch: ScheduledBatch, pending: dict[Sequence, int] | None = None) -> Packed:
+        """The host half of ``build``: a placeholder's input id is left as it is on the
+        host (``unpack`` overwrites it from the device)."""
         bs, width, max_len = self.config.block_size, self.width, self.max_model_len
         rows = self._rows
         pending_row = pending.get if pending else None
@@ -116,25 +146,35 @@ class InputBuilder:
             if need > max_blocks:
                 max_blocks = need
 
-        T, B, S, U, P = t, len(lens), len(samples), len(upd_at), len(dst)
-        big = self._to_device(array("q", ids + pos + slots + samples + row_ids + upd_at + dst
-                                    + src), torch.int64)
-        small = self._to_device(array("i", lens + cu + upd_val), torch.int32)
+        return Packed(array("q", ids + pos + slots + samples + row_ids + upd_at + dst + src),
+                      array("i", lens + cu + upd_val), t, len(lens), len(samples), len(upd_at),
+                      len(dst), max_blocks, max(batch.num_new_tokens), self.num_rows)
+
+    @torch.inference_mode()  # in-place updates of self.tables, whichever mode made it
+    def unpack(self, p: Packed, prev_tokens: torch.Tensor | None = None):
+        """The device half of ``build``. Without ``prev_tokens`` (a rank that does not
+        sample) placeholder input ids keep their host value: the caller overwrites them."""
+        T, B, S, U, P = p.T, p.B, p.S, p.U, p.P
+        if self.tables.shape[0] < p.num_rows:
+            grow = p.num_rows - self.tables.shape[0]
+            self.tables = torch.cat([self.tables, self.tables.new_zeros(grow, self.width)])
+        big = self._to_device(p.big, torch.int64)
+        small = self._to_device(p.small, torch.int32)
         o = 3 * T
         input_ids, positions, slot_mapping = big[:T], big[T:2 * T], big[2 * T:o]
         sample_rows, row_t = big[o:o + S], big[o + S:o + S + B]
         o += S + B
         if U:
             self.tables.view(-1).index_copy_(0, big[o:o + U], small[2 * B + 1:])
-        if P:
+        if P and prev_tokens is not None:
             o += U
             input_ids.index_copy_(0, big[o:o + P], prev_tokens.index_select(0, big[o + P:]))
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
-            block_tables=self.tables.index_select(0, row_t)[:, :max_blocks],
+            block_tables=self.tables.index_select(0, row_t)[:, :p.max_blocks],
             seq_lens=small[:B],
             cu_seqlens_q=small[B:2 * B + 1],
-            max_seqlen_q=max(batch.num_new_tokens),
+            max_seqlen_q=p.max_seqlen_q,
             is_decode_only=T == B,
             positions=positions,
         )

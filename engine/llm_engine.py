@@ -47,7 +47,11 @@ class LLMEngine(OfflineMixin):
         self.config.validate()
         self.runner = ModelRunner(model, self.config)
         self.tokenizer = self.runner.tokenizer
-        self.max_model_len = self._fit_max_model_len()
+        try:
+            self.max_model_len = self._fit_max_model_len()
+        except BaseException:
+            self.runner.close()  # tensor-parallel ranks must not outlive a failed engine
+            raise
         self.eos_token_ids = set(self.runner.eos_token_ids)
         self.scheduler = Scheduler(self.config, self.runner.num_kv_blocks, num_known_tokens)
         self.block_manager = self.scheduler.bm
@@ -165,6 +169,17 @@ class LLMEngine(OfflineMixin):
     def device_wait_s(self) -> float:
         """Host time spent waiting for sampled tokens (stats)."""
         return self.pipeline.device_wait_s
+
+    def close(self) -> None:
+        """Stop the tensor-parallel rank processes (nothing to do with one rank). The
+        engine cannot step afterwards. Also done at interpreter exit."""
+        self.runner.close()
+
+    def set_failure_handler(self, callback) -> None:
+        """Tensor-parallel: ``callback(error)`` runs on a monitor thread as soon as a rank
+        process dies, idle or not (every later step raises the same
+        distributed.TensorParallelError). No-op with one rank."""
+        self.runner.set_failure_handler(callback)
 
     def set_step_budget(self, tokens: int) -> int:
         """Limit the tokens one step computes (prefill chunks + decodes) to ``tokens``,

@@ -178,6 +178,7 @@ class StepPipeline:
         t0 = time.perf_counter()
         ids = rec.token_ids()
         self.device_wait_s += time.perf_counter() - t0
+        self.runner.check_healthy()  # tensor-parallel: a peer died under this step
         for seq, tok, lp in zip(rec.seqs, ids, lps, strict=True):
             req = get(seq.request_id)
             if req is None or req.seq is not seq:

@@ -17,6 +17,8 @@ def next_token_logprobs(runner, ids: list[int], chunk: int = 256) -> torch.Tenso
     len(ids) tokens, and nothing else may be using those blocks)."""
     if len(ids) < 2:
         raise ValueError("need at least 2 token ids to score")
+    if runner.tp.size > 1:  # it calls the model directly: the other ranks would not join
+        raise ValueError("scoring runs on a single-rank runner (tensor_parallel_size 1)")
     blocks = -(-len(ids) // runner.block_size)
     if blocks > runner.num_kv_blocks or len(ids) > runner.max_model_len:
         raise ValueError(f"{len(ids)} tokens do not fit the runner ({runner.num_kv_blocks} "

@@ -5,19 +5,31 @@ each q/k head before rotary; Llama/Mistral/Qwen3 take biases from ``attention_bi
 Merged projections: qkv_proj rows = [q (Hq*D) | k (Hkv*D) | v (Hkv*D)], gate_up_proj rows =
 [gate (I) | up (I)]; load_weights maps HF names (q_proj, k_proj, ...) onto those row ranges.
 Tokens are flattened over the batch: every activation is [T, ...] (no batch dimension).
+Tensor parallelism (engine/parallel.py): built with a ``TensorParallel``, each layer holds
+its rank's heads / columns / vocab rows (Hq, Hkv, I above are then this rank's), and
+load_weights copies only those slices of each checkpoint tensor.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    ShapeError,
+    VocabParallelEmbedding,
+    vocab_parallel_logits,
+)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_params
+from engine.loader import materialize
+from engine.parallel import SINGLE, TensorParallel, check_heads, head_slice, split
 
 # HF projection name -> (our merged parameter, shard index)
 STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -33,11 +45,16 @@ def _dims(cfg) -> tuple[int, int, int]:
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool) -> None:
+                 qk_norm: bool, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.nh, self.nkv, self.hd = _dims(cfg)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, qkv_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, o_bias)
+        nh, nkv, hd = _dims(cfg)
+        hs = head_slice(nh, nkv, tp.size, tp.rank)
+        self.nh, self.nkv, self.hd = hs.q_count, hs.kv_count, hd  # this rank's heads
+        kv = (nkv * hd, hs.kv_start * hd, hs.kv_count * hd)
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [(nh * hd, hs.q_start * hd, hs.q_count * hd), kv, kv], qkv_bias)
+        self.o_proj = RowParallelLinear(nh * hd, cfg.hidden_size, o_bias, tp,
+                                        hs.q_start * hd, hs.q_count * hd)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary  # shared by all layers (one cos/sin cache)
@@ -57,14 +74,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias)
+        inter = cfg.intermediate_size
+        i0, n = split(inter, tp.size, tp.rank)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [(inter, i0, n)] * 2, bias)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, tp, i0, n)
         self.act = SiluAndMul()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -73,10 +92,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool) -> None:
+                 qk_norm: bool, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, rotary, qkv_bias, o_bias, qk_norm, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -93,13 +112,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg, max_position: int, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool) -> None:
+                 qk_norm: bool, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         _, _, hd = _dims(cfg)
         theta, scaling = rope_params(cfg)
         rotary = RotaryEmbedding(hd, max_position, theta, scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, qkv_bias, o_bias, qk_norm)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, qkv_bias, o_bias, qk_norm, tp)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -111,17 +130,34 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, hf_config, max_position: int | None = None) -> None:
+    def __init__(self, hf_config, max_position: int | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         cfg = self.config = hf_config
+        self.check_tensor_parallel(cfg, tp.size)
+        self.tp = tp
         max_position = max_position or cfg.max_position_embeddings
         qkv_bias, o_bias = self.attention_biases(cfg)
-        self.model = LlamaModel(cfg, max_position, qkv_bias, o_bias, self.qk_norm)
+        self.model = LlamaModel(cfg, max_position, qkv_bias, o_bias, self.qk_norm, tp)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
-        self.num_kv_heads, self.head_dim = _dims(cfg)[1:]
+        self.lm_head = None if self.tied else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        nh, nkv, self.head_dim = _dims(cfg)
+        self.num_kv_heads = head_slice(nh, nkv, tp.size, tp.rank).kv_count  # this rank's
 
     qk_norm = False
+
+    @staticmethod
+    def check_tensor_parallel(cfg, size: int) -> None:
+        """ValueError unless ``size`` ranks can share the model's heads, MLP and vocab."""
+        if size == 1:
+            return
+        nh, nkv, _ = _dims(cfg)
+        check_heads(nh, nkv, size)
+        for what, n in (("MLP width (intermediate_size)", cfg.intermediate_size),
+                        ("vocabulary", cfg.vocab_size)):
+            if n < size:
+                raise ValueError(f"tensor_parallel_size {size} is more than the model's {what} "
+                                 f"of {n}")
 
     @staticmethod
     def attention_biases(cfg) -> tuple[bool, bool]:
@@ -142,26 +178,21 @@ class LlamaForCausalLM(nn.Module):
         """input_ids [T], positions [T] -> hidden [T, H] (after the final norm)."""
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, H] -> logits [N, vocab] in the model's dtype (a float32 copy of bf16
-        logits would add no information, only a pass over [N, vocab])."""
+        logits would add no information, only a pass over [N, vocab]). Tensor-parallel:
+        rank 0 gets [N, vocab rounded up to a multiple of the ranks] (columns past the vocab
+        are padding), the other ranks None."""
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(hidden, w)
-
-    def _shard(self, merged: str, shard: int) -> tuple[int, int]:
-        """(row offset, rows) of one HF projection inside a merged parameter."""
-        if merged == "gate_up_proj":
-            i = self.config.intermediate_size
-            return shard * i, i
-        nh, nkv, hd = _dims(self.config)
-        sizes = [nh * hd, nkv * hd, nkv * hd]
-        return sum(sizes[:shard]), sizes[shard]
+        return vocab_parallel_logits(hidden, w, self.tp)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our parameters (casting to their dtype/device).
-        ValueError on an unknown name, a shape mismatch or a missing parameter."""
+        """Copy HF-named tensors (or loader.LazyTensors) into our parameters, each layer
+        taking its rank's slice (casting to their dtype/device). ValueError on an unknown
+        name, a shape mismatch or a missing parameter."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         expected = {(n, s) for n in params for s in range(
             3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 1)}
         loaded: set[tuple[str, int]] = set()
@@ -177,13 +208,17 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(pname)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            dst = param.data
-            if target is not None:
-                dst = dst.narrow(0, *self._shard(target, shard))
-            if tuple(dst.shape) != tuple(w.shape):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, "
-                                 f"expected {tuple(dst.shape)}")
-            dst.copy_(w)
+            owner, _, leaf = pname.rpartition(".")
+            module = modules[owner]
+            try:
+                if hasattr(module, "load_shard"):
+                    module.load_shard(leaf, w, shard)
+                elif tuple(w.shape) != tuple(param.shape):
+                    raise ShapeError(f"has shape {tuple(w.shape)}, expected {tuple(param.shape)}")
+                else:  # replicated (norms)
+                    param.data.copy_(materialize(w))
+            except ShapeError as e:
+                raise ValueError(f"checkpoint tensor {name!r} {e}") from None
             loaded.add((pname, shard))
         missing = sorted({n for n, _ in expected - loaded})
         if missing:

@@ -1,0 +1,405 @@
+"""Tensor parallelism over processes: one process per rank (one per GPU), as vLLM runs it.
+
+The driver (the process of the LLMEngine: scheduler, block manager, sampler, and, in a
+worker, the only process that talks to Redis) is rank 0. It spawns ranks 1..N-1
+(multiprocessing "spawn"), and every rank builds the same ModelRunner holding its shard
+(engine/parallel.py), in lockstep: started -> process group -> weights -> barrier
+"loaded" -> KV-cache size (all-reduce MIN) -> allocate -> CUDA graphs (their collectives
+captured: every rank captures the same sizes in the same order) -> barrier "ready".
+Then each step the driver packs the step's inputs (engine/inputs.py) and sends them down
+each rank's pipe; all ranks run the forward pass (all-reduces over NCCL on GPUs, gloo on
+the CPU), rank 0 gathers the logits and samples. Ranks never answer a step.
+
+Failure, never a hang:
+  * a rank that ends (killed, crashed, OOM) -> the driver's monitor thread records a
+    TensorParallelError naming the rank and how it ended (with the rank's own error
+    message when it had one) and calls ``on_failure`` (the worker: exit 71, jobs handed
+    over through their leases); every later step raises it; a step blocked in a collective
+    with the dead peer fails at once (gloo: connection closed; NCCL: the monitor aborts the
+    process group);
+  * a wedged but living peer: collectives time out after ``collective_timeout_s()``;
+  * the driver ending (even SIGKILL) -> each rank sees its pipe close, or its parent pid
+    change, and exits: ranks never outlive the driver. Ranks ignore SIGINT and SIGTERM (a
+    Ctrl-C or a stop signal sent to the whole process group is the driver's to handle: it
+    drains, then stops its ranks).
+NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
+NVSHMEM_DISABLE_NVLS=1 are set for the driver and its ranks when unset (never overridden).
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import multiprocessing.util  # noqa: F401  (its atexit hook must be registered before ours)
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+TIMEOUT_ENV = "PAGEDQ_TP_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+FAILURE_GRACE_S = 3.0  # a failed collective waits this long for the monitor to name a dead rank
+STOP_WAIT_S = 10.0  # close(): how long ranks get to exit before SIGKILL
+
+
+ONE_GROUP = ("a torch.distributed process group already exists in this process (one "
+             "tensor-parallel engine per process: close() the other one first)")
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died or a collective failed: the engine cannot continue."""
+
+
+def collective_timeout_s() -> float:
+    """Seconds a collective (and the process-group rendezvous) may wait for a peer."""
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds (got {raw!r})") from None
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be > 0 (got {raw!r})")
+    return value
+
+
+def nvls_off() -> None:
+    for k, v in NVLS_OFF.items():
+        os.environ.setdefault(k, v)
+
+
+def init_group(store: Any, rank: int, size: int, device: torch.device) -> TensorParallel:
+    """Join the process group (NCCL on CUDA, gloo on the CPU); this rank's TensorParallel."""
+    timeout = timedelta(seconds=collective_timeout_s())
+    if dist.is_initialized():
+        raise RuntimeError(ONE_GROUP)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=size, timeout=timeout,
+                                device_id=device)
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+    return TensorParallel(rank, size, dist.group.WORLD)
+
+
+def cpu_threads(size: int) -> int:
+    """torch threads per rank when ranks share the CPU."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+# ---- the driver's side -----------------------------------------------------------------
+
+_live_groups: weakref.WeakSet[RankGroup] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stop every group's ranks at interpreter exit (runs before multiprocessing's own
+    hook, which would SIGTERM and join them: ranks ignore SIGTERM)."""
+    for g in list(_live_groups):
+        g.close()
+
+
+class RankGroup:
+    """Ranks 1..size-1 as child processes, their pipes, and the monitor thread. Each rank
+    builds ``runner_cls(model, config, rank=r, link=DriverLink)`` (the ModelRunner class,
+    passed in: this module does not import the runner)."""
+
+    def __init__(self, runner_cls: type, model: str, config: EngineConfig,
+                 device: torch.device) -> None:
+        if dist.is_initialized():
+            raise RuntimeError(ONE_GROUP)
+        nvls_off()
+        self.size = config.tensor_parallel_size
+        self.device = device
+        self.failure: TensorParallelError | None = None
+        self.on_failure = None  # callable(TensorParallelError), from the monitor thread
+        self._failed = threading.Event()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._serving = False  # every rank passed "ready": it reads its pipe, "stop" works
+        self._owns_group = False
+        self._threads = None
+        ctx = mp.get_context("spawn")
+        # the store's listening socket is bound before any rank starts: no port race
+        self.store = dist.TCPStore("127.0.0.1", 0, self.size, True,
+                                   timedelta(seconds=collective_timeout_s()),
+                                   wait_for_workers=False)
+        self.procs: list[mp.process.BaseProcess] = []
+        self.conns: list[mpc.Connection] = []  # duplex: commands down, barrier tags up
+        self.errs: list[mpc.Connection] = []  # read-only: a rank's last words
+        self._wake_r, self._wake_w = ctx.Pipe(duplex=False)  # close() wakes the monitor
+        cfg = dataclasses.asdict(config)
+        try:
+            for r in range(1, self.size):
+                conn, child = ctx.Pipe()
+                err_r, err_w = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=rank_main, name=f"pagedq-tp-rank-{r}", daemon=True,
+                                args=(runner_cls, r, self.size, self.store.port, model, cfg,
+                                      child, err_w, os.getpid()))
+                p.start()
+                child.close()
+                err_w.close()
+                self.procs.append(p)
+                self.conns.append(conn)
+                self.errs.append(err_r)
+        except BaseException:
+            self.close()
+            raise
+        _live_groups.add(self)
+        threading.Thread(target=self._watch, name="pagedq-tp-monitor", daemon=True).start()
+        if device.type == "cpu":  # the ranks share the cores: no oversubscription
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(cpu_threads(self.size))
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # ---- set-up ----------------------------------------------------------------------
+    def init_group(self, device: torch.device) -> TensorParallel:
+        self.barrier("started")  # every rank imported torch and is about to join
+        try:
+            tp = init_group(self.store, 0, self.size, device)
+        except Exception as e:
+            if (failure := self.failure_behind(e)) is not None:
+                raise failure from e
+            raise
+        self._owns_group = True
+        return tp
+
+    def barrier(self, tag: str) -> None:
+        """Wait until every rank has reached ``tag``, then release them all. A rank that
+        dies or fails meanwhile -> TensorParallelError."""
+        for r, conn in enumerate(self.conns, 1):
+            got = self._recv(r, conn)
+            if got != tag:
+                raise TensorParallelError(f"tensor-parallel rank {r} sent {got!r}, "
+                                          f"expected {tag!r}")
+        self.send("go")
+        self._serving = tag == "ready"
+
+    def _recv(self, r: int, conn: mpc.Connection) -> Any:
+        proc = self.procs[r - 1]
+        while True:
+            if self.failure is not None:
+                raise self.failure
+            ready = mpc.wait([conn, proc.sentinel], timeout=1.0)
+            if conn in ready:
+                try:
+                    return conn.recv()
+                except (EOFError, OSError):
+                    pass  # it died: the sentinel says how
+            if proc.sentinel in ready or conn in ready:
+                raise self._fail(self._describe(r))
+
+    # ---- steps -----------------------------------------------------------------------
+    def send(self, msg: Any) -> None:
+        """``msg`` down every rank's pipe (a dead rank: its TensorParallelError)."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            for conn in self.conns:
+                conn.send(msg)
+        except (OSError, ValueError) as e:  # a broken pipe: a rank is gone
+            raise (self.failure_behind(e) or TensorParallelError(
+                f"lost the pipe to a tensor-parallel rank ({e})")) from e
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def failure_behind(self, exc: BaseException) -> TensorParallelError | None:
+        """The rank failure that explains ``exc`` (a failed collective or pipe: a peer's
+        death breaks them before the monitor may have seen it, so this waits up to
+        FAILURE_GRACE_S for it), or None: then ``exc`` is the driver's own error."""
+        if isinstance(exc, TensorParallelError):
+            return exc
+        if not self._closed:
+            self._failed.wait(FAILURE_GRACE_S)
+        return self.failure
+
+    # ---- failure ---------------------------------------------------------------------
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs, 1)}
+        try:
+            ready = mpc.wait([*sentinels, self._wake_r])
+        except OSError:  # closed under us
+            return
+        dead = [sentinels[s] for s in ready if s in sentinels]
+        if dead and not self._closed:
+            self._fail(self._describe(dead[0]))
+
+    def _describe(self, r: int) -> TensorParallelError:
+        proc = self.procs[r - 1]
+        proc.join(1.0)
+        code = proc.exitcode
+        if code is None:
+            how = "stopped answering"
+        elif code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        said = ""
+        err = self.errs[r - 1]
+        try:
+            if err.poll(0.5):
+                said = f" ({' '.join(str(err.recv()).split())[:500]})"
+        except (EOFError, OSError):
+            pass
+        return TensorParallelError(f"tensor-parallel rank {r} of {self.size} (pid {proc.pid}) "
+                                   f"{how}{said}: the engine cannot continue")
+
+    def _fail(self, exc: TensorParallelError) -> TensorParallelError:
+        """Record the group's failure (the first one wins; none after close) and return it;
+        the first time, tell ``on_failure`` and unblock collectives."""
+        with self._lock:
+            if self.failure is not None or self._closed:
+                return self.failure or exc
+            self.failure = exc
+        self._failed.set()
+        callback = self.on_failure
+        if callback is not None:
+            try:
+                callback(exc)
+            except Exception:  # noqa: BLE001 - the failure is recorded either way
+                traceback.print_exc()
+        if self.device.type == "cuda" and self._owns_group and dist.is_initialized():
+            try:  # unblock a driver waiting on a collective with the dead peer
+                dist.distributed_c10d._abort_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+        return exc
+
+    def close(self) -> None:
+        """Stop the ranks (a clean "stop", SIGKILL after STOP_WAIT_S) and leave the process
+        group. Idempotent; safe after a failure."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        _live_groups.discard(self)
+        try:
+            self._wake_w.send(b"")
+        except (OSError, ValueError):
+            pass
+        for conn in self.conns:
+            try:
+                conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        if self._owns_group and dist.is_initialized():
+            if self.failure is None or self.device.type != "cuda":
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - leaving anyway
+                    pass
+        # a rank still building (or a group that failed) is not reading its pipe: no wait
+        deadline = time.monotonic() + (STOP_WAIT_S if self._serving and not self.failure else 0)
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(STOP_WAIT_S)
+        for c in (*self.conns, *self.errs, self._wake_r, self._wake_w):
+            c.close()
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+        self.store = None
+
+
+# ---- a rank's side ---------------------------------------------------------------------
+
+class DriverLink:
+    """A rank's end of the pipe to the driver (the counterpart of RankGroup)."""
+
+    def __init__(self, conn: mpc.Connection, port: int, size: int, rank: int) -> None:
+        self.conn, self.port, self.size, self.rank = conn, port, size, rank
+
+    def init_group(self, device: torch.device) -> TensorParallel:
+        self.barrier("started")
+        store = dist.TCPStore("127.0.0.1", self.port, self.size, False,
+                              timedelta(seconds=collective_timeout_s()))
+        return init_group(store, self.rank, self.size, device)
+
+    def barrier(self, tag: str) -> None:
+        self.conn.send(tag)
+        if self.recv() != "go":
+            raise TensorParallelError(f"rank {self.rank}: the driver did not release {tag!r}")
+
+    def recv(self) -> Any:
+        """The driver's next message; ("stop",) once the driver is gone."""
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            return ("stop",)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        time.sleep(0.5)
+
+
+def rank_main(runner_cls: type, rank: int, size: int, port: int, model: str, config: dict,
+              conn: mpc.Connection, err: mpc.Connection, parent_pid: int) -> None:
+    """Body of rank ``rank``'s process: build the ModelRunner shard in lockstep with the
+    driver, then run every step the driver sends until ("stop",) or the driver is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    code = 0
+    try:
+        from engine.config import EngineConfig
+
+        cfg = EngineConfig(**config)
+        if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+            torch.set_num_threads(cpu_threads(size))
+        link = DriverLink(conn, port, size, rank)
+        runner = runner_cls(model, cfg, rank=rank, link=link)
+        serve(runner, link)
+    except BaseException as e:  # noqa: BLE001 - reported to the driver, then exit
+        code = 1
+        traceback.print_exc()
+        try:
+            err.send(f"{type(e).__name__}: {e}")
+        except (OSError, ValueError):
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    # no interpreter teardown: process-group destructors could wait on the gone driver
+    os._exit(code)
+
+
+def serve(runner: Any, link: DriverLink) -> None:
+    """Run the driver's steps (``runner.run_packed``) until it stops or is gone."""
+    while True:
+        msg = link.recv()
+        if msg[0] == "step":
+            runner.run_packed(msg[1])
+        elif msg[0] == "stop":  # the process exits without tearing its group down
+            return
+        else:
+            raise TensorParallelError(f"rank {link.rank}: unknown command {msg[0]!r}")
