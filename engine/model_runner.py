@@ -4,34 +4,53 @@ preparation and the forward pass of one ScheduledBatch.
 KV cache: one tensor [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim];
 each attention layer holds views of its k and v slices. Slot of token position p of a
 sequence = block_table[p // block_size] * block_size + p % block_size.
+
+Tensor parallelism (EngineConfig.tensor_parallel_size > 1, engine/distributed.py): one
+ModelRunner per rank process, each holding its shard of the weights and of the KV cache
+(its KV heads; the same number of blocks everywhere, so the driver's block manager speaks
+for all). The driver's runner (rank 0) spawns the others; ``__init__`` runs in lockstep on
+every rank. Each step the driver packs the inputs and sends them to the ranks
+(``execute``), every rank runs ``_forward`` on them, and only the driver gets logits.
+With one rank nothing is spawned and no collective runs: the single-device code path.
 """
 from __future__ import annotations
 
 import math
 import time
+import weakref
 
 import torch
 
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig
-from engine.inputs import InputBuilder
+from engine.inputs import InputBuilder, Packed
 from engine.layers import ops
 from engine.layers.attention import AttentionMetadata
 from engine.loader import load_model_files, resolve_model
 from engine.models import get_model_class
+from engine.parallel import SINGLE
+from engine.progress import stage
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _pick_device(name: str) -> torch.device:
+def _pick_device(name: str, tp_size: int = 1, rank: int = 0) -> torch.device:
+    """The device of one rank: with tensor parallelism, rank r of ``cuda:N`` (or ``cuda``:
+    N = 0) is cuda:N+r; every rank of ``cpu`` is the CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return dev
+    if tp_size == 1 or dev.type != "cuda":
+        return dev
+    first, count = dev.index or 0, torch.cuda.device_count()
+    if first + tp_size > count:
+        raise ValueError(f"tensor_parallel_size {tp_size} on device {name!r} needs CUDA devices "
+                         f"cuda:{first} to cuda:{first + tp_size - 1}; this machine has {count}")
+    return torch.device("cuda", first + rank)
 
 
 def _eos_ids(hf_config, tokenizer) -> set[int]:
@@ -47,11 +66,16 @@ def _eos_ids(hf_config, tokenizer) -> set[int]:
 
 
 class ModelRunner:
-    def __init__(self, model_name_or_path: str, config: EngineConfig) -> None:
+    def __init__(self, model_name_or_path: str, config: EngineConfig, *, rank: int = 0,
+                 link=None) -> None:
+        """``rank``/``link``: set only in a tensor-parallel rank process (rank > 0, its
+        distributed.DriverLink); the driver (rank 0) spawns those processes itself."""
         t0 = time.perf_counter()
         config.validate()
         self.config = config
-        self.device = _pick_device(config.device)
+        tp_size = config.tensor_parallel_size
+        self.rank = rank
+        self.device = _pick_device(config.device, tp_size, rank)
         self.dtype = (_DTYPES[config.dtype] if config.dtype != "auto" else
                       torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.kv_cache_dtype = self.dtype
@@ -59,21 +83,61 @@ class ModelRunner:
             self.kv_cache_dtype = torch.float8_e4m3fn
 
         self.source = resolve_model(model_name_or_path, config.load_format != "dummy")
-        hf_config, weights, self.tokenizer = load_model_files(self.source)
+        stage("reading the model's config and tokenizer")
+        # tensor-parallel: lazy tensors, so each rank reads only its slices; only the
+        # driver detokenizes
+        hf_config, weights, self.tokenizer = load_model_files(
+            self.source, lazy=tp_size > 1, tokenizer=rank == 0)
         self.hf_config = hf_config
         model_cls = get_model_class(hf_config)
+        model_cls.check_tensor_parallel(hf_config, tp_size)  # before any process starts
         self.max_model_len = self._max_model_len(model_cls)
         self.vocab_size = int(hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
 
+        self.ranks = None  # the driver's distributed.RankGroup when tensor-parallel
+        self.tp = SINGLE
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded decode batch size -> graph
+        if tp_size == 1:
+            self._build(model_cls, weights)
+        else:
+            from engine.distributed import RankGroup
+            if rank == 0:
+                stage(f"starting {tp_size - 1} tensor-parallel rank process(es)")
+                link = self.ranks = RankGroup(type(self), model_name_or_path, config,
+                                              self.device)
+                weakref.finalize(self, self.ranks.close)
+            self._link = link
+            try:
+                self.tp = link.init_group(self.device)
+                self._build(model_cls, weights)
+            except BaseException as e:
+                if self.ranks is None:  # a rank: rank_main reports it to the driver
+                    raise
+                # a ValueError is the driver's own (a bad checkpoint, too little memory...)
+                failure = (self.ranks.failure_behind(e) if isinstance(e, Exception)
+                           and not isinstance(e, ValueError) else None)
+                self.ranks.close()
+                if failure is None:
+                    raise
+                raise failure from e
+        self.load_time_s = time.perf_counter() - t0
+
+    def _build(self, model_cls, weights) -> None:
+        """This rank's shard of the weights, the KV cache and the CUDA graphs (in lockstep
+        on every rank when tensor-parallel: each step with collectives is reached by all)."""
+        config, tp = self.config, self.tp
         with torch.device("meta"):  # no random init: parameters are filled by load_weights
-            model = model_cls(hf_config, max_position=self.max_model_len)
+            model = model_cls(self.hf_config, max_position=self.max_model_len, tp=tp)
         model = model.to(self.dtype).to_empty(device=self.device)
+        stage(f"loading weights to {self.device} {str(self.dtype).removeprefix('torch.')}")
         if config.load_format == "dummy":
-            _init_dummy(model)
+            _init_dummy(model, seed=tp.rank)
         else:
             model.load_weights(weights)
         self.model = model.eval()
+        if tp.size > 1:
+            self._link.barrier("loaded")  # no collective waits on a slow loader
 
         use_triton = config.use_triton
         if use_triton is None:
@@ -82,12 +146,21 @@ class ModelRunner:
 
         self.inputs = InputBuilder(self.device, config, self.max_model_len)
         self.kv_cache: torch.Tensor | None = None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded decode batch size -> graph
-        self.num_kv_blocks = config.num_kv_blocks or self._profile_num_blocks()
+        if config.num_kv_blocks is None and self.device.type == "cuda":
+            stage("measuring free GPU memory for the KV cache (one warm-up step)")
+        blocks = config.num_kv_blocks or self._profile_num_blocks()
+        if tp.size > 1 and not config.num_kv_blocks:  # every rank holds the same blocks
+            t = torch.tensor([blocks], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=tp.group)
+            blocks = int(t.item())
+        self.num_kv_blocks = blocks
+        stage(f"allocating the KV cache ({self.num_kv_blocks} blocks)")
         self._allocate_kv_cache(self.num_kv_blocks)
         if self.device.type == "cuda" and not config.enforce_eager and ops.use_triton():
+            stage("capturing CUDA graphs")
             self.capture_cudagraphs()
-        self.load_time_s = time.perf_counter() - t0
+        if tp.size > 1:
+            self._link.barrier("ready")
 
     @property
     def block_size(self) -> int:
@@ -152,7 +225,8 @@ class ModelRunner:
             next_block += len(seq.block_table)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
-        self.execute(batch)
+        with torch.inference_mode():  # every rank runs it (no step is sent to the ranks)
+            self._forward(self.inputs.pack(batch), None)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - tmp_blocks * per_block
         free, total = torch.cuda.mem_get_info(self.device)
@@ -196,12 +270,16 @@ class ModelRunner:
             "out": torch.zeros(n_max, self.hf_config.hidden_size, dtype=self.dtype, device=dev),
         }
         pool = None
+        # tensor-parallel: the all-reduces are captured too (every rank captures the same
+        # sizes in the same order, in lockstep); thread-local capture lets the NCCL
+        # watchdog thread query its events meanwhile
+        mode = "thread_local" if self.tp.size > 1 else "global"
         for n in reversed(sizes):  # largest first: smaller graphs reuse its pool
             meta = AttentionMetadata(st["slots"][:n], st["tables"][:n], st["lens"][:n],
                                      st["cu"][:n + 1], 1, True, st["pos"][:n])
             self.model(st["ids"][:n], st["pos"][:n], meta)  # compile/warm the kernels
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                 st["out"][:n] = self.model(st["ids"][:n], st["pos"][:n], meta)
             pool = graph.pool()
             self.graphs[n] = graph
@@ -232,18 +310,64 @@ class ModelRunner:
                 prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [num_sampling_seqs, vocab] in the model's dtype, for the seqs where
         batch.samples(i), in batch order. Does not advance num_computed_tokens (the engine does). Never
-        waits for the device: the logits are computed asynchronously on CUDA."""
+        waits for the device: the logits are computed asynchronously on CUDA.
+        Tensor-parallel: the step runs on every rank; the logits' columns are the vocab
+        rounded up to a multiple of the ranks (padding past vocab_size), and a rank that
+        died makes this raise distributed.TensorParallelError."""
         if batch.is_empty:
             return torch.empty(0, self.vocab_size, dtype=self.dtype, device=self.device)
-        input_ids, positions, meta, sample_rows = self.prepare(batch, pending, prev_tokens)
+        packed = self.inputs.pack(batch, pending)
+        ranks = self.ranks
+        if ranks is None:
+            return self._forward(packed, prev_tokens)
+        ranks.send(("step", packed))
+        try:
+            return self._forward(packed, prev_tokens)
+        except Exception as e:  # a collective with a dead peer: say which rank died
+            if (failure := ranks.failure_behind(e)) is None:
+                raise
+            raise failure from e
+
+    @torch.inference_mode()
+    def run_packed(self, packed: Packed) -> None:
+        """A non-driver rank's part of a step the driver sent (distributed.serve)."""
+        self._forward(packed, None)
+
+    def _forward(self, packed: Packed, prev_tokens: torch.Tensor | None):
+        input_ids, positions, meta, sample_rows = self.inputs.unpack(packed, prev_tokens)
+        if packed.P and self.tp.size > 1:  # placeholders: the driver's ids from the device
+            self.tp.broadcast(input_ids)
         hidden = self._run_model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[sample_rows])
 
+    def check_healthy(self) -> None:
+        """Raise the tensor-parallel group's failure, if a rank died (a step collected
+        after that may hold garbage). Nothing to check with one rank."""
+        if self.ranks is not None:
+            self.ranks.check()
+
+    @property
+    def tensor_parallel_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1 (none with one rank)."""
+        return self.ranks.pids if self.ranks is not None else []
+
+    def set_failure_handler(self, callback) -> None:
+        """``callback(TensorParallelError)`` is called from a monitor thread when a rank
+        process dies, even while the engine is idle. No-op with one rank."""
+        if self.ranks is not None:
+            self.ranks.on_failure = callback
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (a no-op with one rank, and the second time)."""
+        if self.ranks is not None:
+            self.ranks.close()
+
 
 @torch.no_grad()
-def _init_dummy(model: torch.nn.Module) -> None:
-    """Random weights (norm weights 1): the same shapes and speed as a real checkpoint."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+def _init_dummy(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights (norm weights 1): the same shapes and speed as a real checkpoint.
+    (Tensor-parallel ranks seed by rank: a benchmark's shards need not form one model.)"""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
         if "norm" in name:
             p.fill_(1.0)

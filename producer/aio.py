@@ -10,9 +10,10 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aredis
 
-from . import reader, scripts
+from . import reader, scripts, submit_params
+from .connection import RedisUnusable, diagnose_tls, is_fatal, looks_cut_by_tls
 from .reader import RETRYABLE, Backoff
-from .schema import Event, JobRecord, JobRequest
+from .schema import ChatMessage, Event, JobRecord, JobRequest
 from .settings import Settings
 
 T = TypeVar("T")
@@ -27,17 +28,25 @@ class AsyncClient:
                  model: str | None = None, settings: Settings | None = None) -> None:
         self.settings, self.keys, self.model, pool = reader.client_setup(
             redis_url, prefix, model, settings)
+        self._url = pool["url"]
         self.redis = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(**pool))
         self._scripts = scripts.register(self.redis)
 
     async def _retry(self, call: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         """``await call(*args, **kwargs)``, repeated on connection-level failures; the
-        policy is producer.client.Backoff, as for Client."""
-        backoff = Backoff(self.settings.client_retry_s)
+        policy is producer.client.Backoff, as for Client (RedisUnusable at once too)."""
+        backoff, diagnosed = Backoff(self.settings.client_retry_s), False
         while True:
             try:
                 return await call(*args, **kwargs)
             except RETRYABLE as e:
+                if is_fatal(e):
+                    raise RedisUnusable(self._url, e) from e
+                if not diagnosed and looks_cut_by_tls(self._url, e):  # once per call
+                    diagnosed = True
+                    bad = await asyncio.to_thread(diagnose_tls, self.settings, self._url)
+                    if bad is not None:
+                        raise bad from e
                 await asyncio.sleep(backoff.delay_after(e))
 
     async def _drive(self, proto: reader.Protocol, ps: Any = None) -> AsyncIterator[Event]:
@@ -58,17 +67,29 @@ class AsyncClient:
         return run.value
 
     # -- submit
-    async def submit(self, prompt: str | list[int] | None = None, *, messages: list[Any] | None = None,
+    async def submit(self, prompt: str | list[int] | None = None, *,
+                     messages: list[dict[str, Any] | ChatMessage] | None = None,
                      model: str | None = None, max_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None,
-                     top_k: int | None = None, seed: int | None = None,
-                     stop: list[str] | str | None = None, timeout_s: float | None = None,
+                     top_k: int | None = None, min_p: float | None = None,
+                     repetition_penalty: float | None = None,
+                     presence_penalty: float | None = None,
+                     frequency_penalty: float | None = None,
+                     stop: list[str] | str | None = None, stop_token_ids: list[int] | None = None,
+                     seed: int | None = None, ignore_eos: bool | None = None,
+                     min_tokens: int | None = None, logprobs: int | None = None,
+                     n: int | None = None, priority: int | None = None, lane: str | None = None,
+                     timeout_s: float | None = None, metadata: dict[str, str] | None = None,
                      job_id: str | None = None, require_worker: bool = False,
-                     **params: Any) -> str:
-        explicit = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                        top_k=top_k, seed=seed, stop=stop, timeout_s=timeout_s)
-        req = scripts.build_request(prompt, messages, model or self.model, job_id, explicit,
-                                    params)
+                     **openai: Any) -> str:
+        """Validate and enqueue one generation job; returns its id. The parameters, their
+        ranges and defaults are Client.submit's (each None = the wire default): prompt or
+        messages; model, max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
+        presence_penalty, frequency_penalty, stop, stop_token_ids, seed, ignore_eos,
+        min_tokens, logprobs, n, priority, lane, timeout_s, metadata, job_id,
+        require_worker; **openai: max_completion_tokens, top_logprobs, user."""
+        req = scripts.build_request(prompt, messages, model or self.model, job_id,
+                                    submit_params.explicit(locals()), openai)
         return await self._submit(req, require_worker)
 
     async def submit_request(self, req: JobRequest | dict[str, Any],

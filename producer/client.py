@@ -8,12 +8,13 @@ the I/O shell: it makes the Redis calls those ask for and hands back the replies
 Riding out a Redis restart: every Redis call of both clients goes through a retry loop
 (``Client._retry`` / ``AsyncClient._retry``) with one shared policy, ``Backoff``: a
 connection-level failure is retried whole, with capped exponential backoff, for up to
-``settings.client_retry_s`` seconds from its first failure, then re-raised. Each call is
-safe to repeat: SUBMIT is idempotent by job id and request hash ('exists'), CANCEL is
-idempotent, the rest are reads; a cut XREAD is re-sent from the same cursor, so stream()
-neither loses nor repeats an event. The pools are built without redis-py's retry
-options, so their connections do not retry on their own (``Retry(NoBackoff(), 0)``): this
-is the only retry policy.
+``settings.client_retry_s`` seconds from its first failure, then re-raised (wrong
+credentials and TLS certificate errors are not retried: ``RedisUnusable`` at once, see
+producer/connection.py). Each call is safe to repeat: SUBMIT is idempotent by job id and
+request hash ('exists'), CANCEL is idempotent, the rest are reads; a cut XREAD is re-sent
+from the same cursor, so stream() neither loses nor repeats an event. The pools are built
+without redis-py's retry options, so their connections do not retry on their own
+(``Retry(NoBackoff(), 0)``): this is the only retry policy.
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ from typing import Any, TypeVar
 
 import redis
 
-from . import reader, scripts
+from . import reader, scripts, submit_params
+from .connection import RedisUnusable, diagnose_tls, is_fatal, looks_cut_by_tls
 from .reader import RETRY_CAP_S, RETRY_FIRST_S, RETRYABLE, Backoff
-from .schema import Event, JobRecord, JobRequest
+from .schema import ChatMessage, Event, JobRecord, JobRequest
 from .settings import Settings
 
 # the retry policy is re-exported from here, where it was first defined
@@ -44,16 +46,24 @@ class Client:
                  model: str | None = None, settings: Settings | None = None) -> None:
         self.settings, self.keys, self.model, pool = reader.client_setup(
             redis_url, prefix, model, settings)
+        self._url = pool["url"]
         self.redis = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(**pool))
         self._scripts = scripts.register(self.redis)
 
     def _retry(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``call(*args, **kwargs)``, repeated on connection-level failures (see Backoff)."""
-        backoff = Backoff(self.settings.client_retry_s)
+        """``call(*args, **kwargs)``, repeated on connection-level failures (see Backoff);
+        refused credentials or TLS set-up raise RedisUnusable at once."""
+        backoff, diagnosed = Backoff(self.settings.client_retry_s), False
         while True:
             try:
                 return call(*args, **kwargs)
             except RETRYABLE as e:
+                if is_fatal(e):
+                    raise RedisUnusable(self._url, e) from e
+                if not diagnosed and looks_cut_by_tls(self._url, e):  # once per call
+                    diagnosed = True
+                    if (bad := diagnose_tls(self.settings, self._url)) is not None:
+                        raise bad from e
                 time.sleep(backoff.delay_after(e))
 
     def _drive(self, proto: reader.Protocol, ps: Any = None) -> Iterator[Any]:
@@ -76,18 +86,59 @@ class Client:
         return run.value
 
     # -- submit
-    def submit(self, prompt: str | list[int] | None = None, *, messages: list[Any] | None = None,
+    def submit(self, prompt: str | list[int] | None = None, *,
+               messages: list[dict[str, Any] | ChatMessage] | None = None,
                model: str | None = None, max_tokens: int | None = None,
                temperature: float | None = None, top_p: float | None = None,
-               top_k: int | None = None, seed: int | None = None,
-               stop: list[str] | str | None = None, timeout_s: float | None = None,
-               job_id: str | None = None, require_worker: bool = False, **params: Any) -> str:
-        """Validate and enqueue one job; returns its id. Idempotent per job id.
-        ``require_worker``: refuse (NoWorker, nothing enqueued) unless a live worker serves
-        the model."""
-        explicit = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                        top_k=top_k, seed=seed, stop=stop, timeout_s=timeout_s)
-        req = scripts.build_request(prompt, messages, model or self.model, job_id, explicit, params)
+               top_k: int | None = None, min_p: float | None = None,
+               repetition_penalty: float | None = None, presence_penalty: float | None = None,
+               frequency_penalty: float | None = None, stop: list[str] | str | None = None,
+               stop_token_ids: list[int] | None = None, seed: int | None = None,
+               ignore_eos: bool | None = None, min_tokens: int | None = None,
+               logprobs: int | None = None, n: int | None = None, priority: int | None = None,
+               lane: str | None = None, timeout_s: float | None = None,
+               metadata: dict[str, str] | None = None, job_id: str | None = None,
+               require_worker: bool = False, **openai: Any) -> str:
+        """Validate and enqueue one generation job; returns its id. Idempotent per job id
+        (the same id and body again returns the id; another body raises JobConflict).
+        Raises InvalidRequest (nothing enqueued), Overloaded, NoWorker, JobConflict.
+
+        Exactly one of ``prompt`` and ``messages``; every other parameter left at None
+        takes the wire default, in brackets (docs/protocol.md, producer/schema.py):
+
+        prompt: the text to continue, or its token ids
+        messages: a chat, e.g. [{"role": "user", "content": "Hi"}] (roles system, user,
+            assistant, tool), through the model's chat template
+        model: the served model name = its jobs stream [the client's model]
+        max_tokens: most tokens to generate, 1..32768 [128]
+        temperature: 0 = greedy, up to 100 [1.0]
+        top_p: nucleus sampling mass, in (0, 1] [1.0 = off]
+        top_k: sample among the k likeliest tokens, -1 = off [-1]
+        min_p: drop tokens less likely than min_p x the likeliest one, in [0, 1] [0 = off]
+        repetition_penalty: > 1 discourages tokens already in the text, in (0, 10] [1.0]
+        presence_penalty: -2..2, lowers tokens already generated [0]
+        frequency_penalty: -2..2, lowers tokens by how often they were generated [0]
+        stop: a stop string or up to 16 (each 1..256 characters); not in the text [none]
+        stop_token_ids: up to 64 token ids that end the job [none]
+        seed: this job's sampling seed, 0..2**63-1 [none: the worker's noise stream]
+        ignore_eos: keep generating past the end-of-sequence token [False]
+        min_tokens: tokens to generate before EOS or a stop may end the job [0]
+        logprobs: each token's log-probability and its k likeliest alternatives, 0..20
+            [none]
+        n: independent samples (choices) of the prompt, 1..16 [1]
+        priority: order inside a worker's batch, -1000..1000, higher first [0]
+        lane: the jobs stream to queue on, one of the workers' lanes [interactive]
+        timeout_s: seconds from submission until the job must be done; then it ends with
+            finish reason "deadline" [none]
+        metadata: up to 16 str -> str pairs kept with the job [none]
+        job_id: 1..128 of [A-Za-z0-9_.:-] [a new uuid4 hex]
+        require_worker: refuse (NoWorker, nothing enqueued) unless a live worker serves
+            the model [False]
+        **openai: OpenAI's names max_completion_tokens, top_logprobs (with logprobs=True)
+            and user (-> metadata["user"]); any other name is refused (InvalidRequest)
+        """
+        req = scripts.build_request(prompt, messages, model or self.model, job_id,
+                                    submit_params.explicit(locals()), openai)
         return self._submit(req, require_worker)
 
     def submit_request(self, req: JobRequest | dict[str, Any],

@@ -1,14 +1,30 @@
 """`pagedq demo`: Redis (embedded if none answers) + a CPU worker process with the
-bundled SmolLM2 + a handful of chat jobs submitted at once and streamed back."""
+bundled SmolLM2 + a handful of chat jobs, streamed back into a live view
+(worker/demo_view.py; ``--plain`` or a stdout that is not a terminal: plain lines).
+
+The worker's loading stages and start line (worker/startup.py) are read from its log file
+as it writes them. The jobs are submitted once the worker is ready, so TTFT measures the
+service, not the model load. Greedy (temperature 0): a 135M model samples nonsense at 1.0.
+
+Redis hygiene: the demo's keys live under a prefix of its own (``pagedq-demo-<pid>-<hex>``)
+and are removed at exit, after the worker has stopped (it writes heartbeats until then),
+even on Ctrl-C or a failure; ``--keep`` leaves them for a look. With ``--prefix P`` the
+keys are the user's and stay (job records expire after PAGEDQ_RESULT_TTL_S).
+"""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
+
+from worker.demo_view import DemoJob, DemoState, LiveView, PlainView
+from worker.startup import parse_line
 
 PROMPTS = [
     "What is the capital of France?",
@@ -20,71 +36,204 @@ PROMPTS = [
     "Translate 'good morning' into Spanish and German.",
     "Why is the sky blue? One sentence.",
 ]
-COLORS = ["31", "32", "33", "34", "35", "36", "91", "92", "93", "94"]
+LOAD_TIMEOUT_S = 900.0  # a first start dequantizes the model: tens of seconds on a laptop
+STREAM_TIMEOUT_S = 300.0  # most seconds without a token
+
+
+class DemoFailed(Exception):
+    """The worker exited or did not get ready; the message says why (with its log's tail)."""
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from producer.connection import RedisUnusable, redact_url
     from producer.settings import Settings
+    from worker.config import ConfigError
     from worker.embedded import ensure_redis
-    from worker.names import served_name
 
     settings = Settings()
-    url, server = ensure_redis(args.redis_url or settings.redis_url)
-    print(f"redis: {url}" + (" (embedded redis-server started)" if server else ""), flush=True)
-    log_path = os.path.join(tempfile.gettempdir(), f"pagedq-demo-worker-{os.getpid()}.log")
-    prefix = args.prefix or f"pagedq-demo-{os.getpid()}"
-    model = args.model or "smollm2"
-    cmd = [sys.executable, "-m", "worker.cli", "--redis-url", url, "--prefix", prefix,
-           "worker", "--model", model, "--device", args.device, "--worker-id", "demo-worker"]
-    for flag in ("max_num_seqs", "num_kv_blocks", "max_model_len", "block_size"):
-        if getattr(args, flag, None) is not None:
-            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    print(f"worker: starting on the CPU with {model} (log: {log_path})", flush=True)
-    with open(log_path, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
     try:
-        asyncio.run(_submit_and_stream(url, prefix, served_name(model, args.served_name),
-                                       args.jobs, args.max_tokens, proc))
-        return 0
+        url, server = ensure_redis(args.redis_url or settings.redis_url, settings)
+    except RedisUnusable as e:
+        raise ConfigError(str(e)) from None
+    own_prefix = args.prefix is None
+    prefix = args.prefix or f"pagedq-demo-{os.getpid()}-{secrets.token_hex(2)}"
+    state = DemoState(redis=redact_url(url) + (" (embedded)" if server else ""), prefix=prefix,
+                      log_path=os.path.join(tempfile.gettempdir(),
+                                            f"pagedq-demo-worker-{os.getpid()}.log"))
+    plain = args.plain or not sys.stdout.isatty()
+    view: LiveView | PlainView = PlainView(state, sys.stdout) if plain else LiveView(state)
+    if plain:
+        view.say(f"redis: {state.redis}; key prefix {prefix}; worker log {state.log_path}")
+    proc = _start_worker(args, url, prefix, state.log_path)
+    ok = False
+    try:
+        with view:
+            asyncio.run(_run(args, url, prefix, proc, state, view))
+        view.summary()
+        ok = all(j.status == "finished" for j in state.jobs)
+        return 0 if ok else 1
+    except DemoFailed as e:
+        print(f"pagedq: demo failed: {e}", file=sys.stderr)
+        return 1
     finally:
-        proc.terminate()
+        _stop(proc)
+        if own_prefix and not args.keep:
+            removed = _remove_keys(url, prefix)
+            view.say(f"removed the demo's {removed} Redis keys (prefix {prefix})")
+        if server is not None:
+            server.cleanup()
+        if ok and not args.keep:
+            _unlink(state.log_path)
+
+
+def _start_worker(args: argparse.Namespace, url: str, prefix: str,
+                  log_path: str) -> subprocess.Popen:
+    from worker.config import flag_argv
+
+    # the URL goes by the environment, not argv: a password in it would show in ps
+    cmd = [sys.executable, "-m", "worker.cli", "--prefix", prefix, "worker",
+           "--model", args.model or "smollm2", "--worker-id", "demo-worker",
+           *flag_argv(args, skip=frozenset({"redis_url", "prefix", "model", "worker_id"}))]
+    with open(log_path, "w") as logf:
+        return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "PAGEDQ_REDIS_URL": url})
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()  # drains: the demo's jobs have ended or are given up
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-        if server is not None:
-            server.cleanup()
+            proc.wait()
 
 
-async def _submit_and_stream(url: str, prefix: str, model: str, n: int, max_tokens: int,
-                             proc: subprocess.Popen) -> None:
+def _remove_keys(url: str, prefix: str) -> int:
+    """Delete every key of the prefix (docs/protocol.md: all keys are ``{prefix}:...``)."""
+    import redis
+
+    from producer import Client
+
+    try:
+        with Client(url, prefix=prefix) as c:
+            keys = list(c.redis.scan_iter(match=c.keys.base + ":*", count=1000))
+            for i in range(0, len(keys), 500):
+                c.redis.unlink(*keys[i:i + 500])
+            return len(keys)
+    except redis.RedisError as e:
+        print(f"pagedq: could not remove the demo's keys {{{prefix}}}:* ({e})", file=sys.stderr)
+        return 0
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _log_tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+async def _run(args: argparse.Namespace, url: str, prefix: str, proc: subprocess.Popen,
+               state: DemoState, view: LiveView | PlainView) -> None:
     from producer import AsyncClient
+    from worker.names import served_name
 
-    tty = sys.stdout.isatty()
-    async with AsyncClient(url, prefix=prefix, model=model) as client:
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-        ids = await asyncio.gather(*[
-            client.submit(messages=[{"role": "user", "content": p}], max_tokens=max_tokens,
-                          temperature=0.0) for p in prompts])
-        print(f"submitted {n} jobs; waiting for the worker to load the model...", flush=True)
-        t0 = time.monotonic()
-        first: dict[int, float] = {}
+    state.model = served_name(args.model or "smollm2", args.served_name)
+    watcher = asyncio.create_task(_watch_worker(proc, state, view))
+    try:
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while not state.ready:
+            if watcher.done():
+                watcher.result()  # raises DemoFailed
+            if time.monotonic() > deadline:
+                raise DemoFailed(f"the worker was not ready after {LOAD_TIMEOUT_S:.0f} s "
+                                 f"(log: {state.log_path})")
+            await asyncio.sleep(0.05)
+        async with AsyncClient(url, prefix=prefix, model=state.model) as client:
+            await _jobs(client, args, state, view, watcher)
+    finally:
+        watcher.cancel()
+        try:
+            await watcher
+        except (asyncio.CancelledError, DemoFailed):
+            pass
 
-        async def follow(k: int, job_id: str) -> None:
-            label = f"[job {k}]"
-            if tty:
-                label = f"\033[{COLORS[k % len(COLORS)]}m{label}\033[0m"
-            async for ev in client.stream(job_id, timeout=600):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"worker exited with code {proc.returncode}")
-                if ev.type == "token" and ev.delta:
-                    first.setdefault(k, time.monotonic() - t0)
-                    print(f"{label} {ev.delta!r}", flush=True)
 
-        await asyncio.gather(*[follow(k, j) for k, j in enumerate(ids)])
-        print("\nsummary:")
-        for k, (job_id, prompt) in enumerate(zip(ids, prompts, strict=True)):
-            rec = await client.result(job_id, timeout=60)
-            print(f"  job {k} {rec.status.value:9s} {rec.finish_reason:7s} "
-                  f"prompt={rec.usage.prompt_tokens:3d} completion={rec.usage.completion_tokens:3d} "
-                  f"first_token_at={first.get(k, float('nan')):6.2f}s  {prompt!r} -> {rec.text!r}")
+async def _watch_worker(proc: subprocess.Popen, state: DemoState,
+                        view: LiveView | PlainView) -> None:
+    """Follow the worker's log for its loading stages and start line; DemoFailed when the
+    worker exits (it is stopped only after this task)."""
+    pos, buf = 0, ""
+    while True:
+        try:
+            with open(state.log_path, errors="replace") as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos = f.tell()
+        except OSError:
+            chunk = ""
+        buf += chunk
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            ev = parse_line(line)
+            if ev is None:
+                continue
+            if ev.kind == "ready":
+                state.ready, state.ready_s = ev.text, ev.elapsed_s
+            else:
+                state.stage, state.stage_at = f"loading {state.model}: {ev.text}", ev.elapsed_s
+            view.update()
+        if proc.poll() is not None:
+            raise DemoFailed(f"the worker exited with code {proc.returncode}; the end of its "
+                             f"log ({state.log_path}):\n{_log_tail(state.log_path)}")
+        await asyncio.sleep(0.1)
+
+
+async def _jobs(client: Any, args: argparse.Namespace, state: DemoState,
+                view: LiveView | PlainView, watcher: asyncio.Task) -> None:
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.jobs)]
+    state.jobs = [DemoJob(k + 1, p) for k, p in enumerate(prompts)]
+    state.jobs_started_at = time.monotonic()
+    for j in state.jobs:
+        j.submitted_at = time.monotonic()
+    ids = await asyncio.gather(*[
+        client.submit(messages=[{"role": "user", "content": j.prompt}],
+                      max_tokens=args.max_tokens, temperature=args.temperature)
+        for j in state.jobs])
+    for j, job_id in zip(state.jobs, ids, strict=True):
+        j.job_id = job_id
+    view.update()
+    followers = asyncio.gather(*[_follow(client, j, view) for j in state.jobs])
+    done, _ = await asyncio.wait({followers, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if watcher in done:  # the worker died mid-way
+        followers.cancel()
+        watcher.result()
+    followers.result()
+    state.finished_at = time.monotonic()
+    view.update()
+
+
+async def _follow(client: Any, j: DemoJob, view: LiveView | PlainView) -> None:
+    from producer.schema import FinalEvent
+
+    async for ev in client.stream(j.job_id, timeout=STREAM_TIMEOUT_S):
+        now = time.monotonic()
+        if isinstance(ev, FinalEvent):
+            j.status, j.finish_reason, j.error = ev.status.value, ev.finish_reason, ev.error
+            j.text, j.ended_at = ev.text, now
+            j.prompt_tokens, j.tokens = ev.usage.prompt_tokens, ev.usage.completion_tokens
+        else:
+            if j.first_token_at is None:
+                j.first_token_at, j.status = now, "streaming"
+            j.last_token_at = now
+            j.text += ev.delta
+            j.tokens += len(ev.token_ids) or 1
+        view.update()

@@ -1,0 +1,94 @@
+"""`import pagedq`: the documented entry point (torch-free until the engine is asked for),
+its version, PEP 561 markers, and submit()'s parameters: one typed keyword per JobRequest
+field, the same in both clients, each documented."""
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pagedq
+from producer import AsyncClient, Client, JobRequest
+from producer.submit_params import SUBMIT_FIELDS
+
+ROOT = Path(__file__).resolve().parent.parent
+# JobRequest fields submit() names differently or not at all: the schema version, and the
+# id (submit's job_id); prompt, messages and model are submit()'s own parameters
+NOT_KEYWORDS = {"v", "id", "prompt", "messages", "model"}
+
+
+def test_import_pagedq_is_light_and_the_engine_loads_on_first_use():
+    code = ("import sys, pagedq\n"
+            "assert 'torch' not in sys.modules and 'engine.llm_engine' not in sys.modules\n"
+            "names = ['Client', 'AsyncClient', 'JobRequest', 'Settings', 'Batches',\n"
+            "         'PagedqError', 'NoWorker', 'Overloaded', 'ResultTimeout', 'JobNotFound']\n"
+            "assert all(hasattr(pagedq, n) for n in names)\n"
+            "assert pagedq.SamplingParams(max_tokens=3).max_tokens == 3\n"
+            "assert 'torch' not in sys.modules\n"
+            "assert pagedq.LLMEngine.__name__ == 'LLMEngine' and 'torch' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+
+
+def test_names_and_version():
+    assert set(pagedq.__all__) <= set(dir(pagedq)) | {"LLMEngine", "SamplingParams"}
+    assert issubclass(pagedq.NoWorker, pagedq.PagedqError)
+    assert pagedq.Client is Client and pagedq.AsyncClient is AsyncClient
+    r = subprocess.run([sys.executable, "-m", "pagedq", "--version"], capture_output=True,
+                       text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == f"pagedq {pagedq.__version__}", r
+
+
+def test_packages_are_typed_and_packaged():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    tool = meta["tool"]["setuptools"]
+    assert "pagedq*" in tool["packages"]["find"]["include"]
+    assert "py.typed" in tool["package-data"]["*"]
+    for pkg in ("pagedq", "producer", "engine", "worker"):
+        assert (ROOT / pkg / "py.typed").is_file(), pkg
+    assert any(d.startswith("rich") for d in meta["project"]["optional-dependencies"]["worker"])
+
+
+def _keywords(fn) -> dict[str, inspect.Parameter]:
+    return {n: p for n, p in inspect.signature(fn).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def test_submit_names_every_request_field_typed_and_documented():
+    fields = set(JobRequest.model_fields) - NOT_KEYWORDS
+    assert SUBMIT_FIELDS == fields, "producer/submit_params.py: SUBMIT_FIELDS vs JobRequest"
+    sync, aio = _keywords(Client.submit), _keywords(AsyncClient.submit)
+    missing = fields - set(sync)
+    assert not missing, f"Client.submit() lacks JobRequest fields {sorted(missing)}"
+    assert [(n, p.annotation, p.default) for n, p in sync.items()] == \
+        [(n, p.annotation, p.default) for n, p in aio.items()], "the clients' submit() differ"
+    doc = inspect.getdoc(Client.submit)
+    adoc = inspect.getdoc(AsyncClient.submit)
+    for name, p in sync.items():
+        assert p.annotation is not inspect.Parameter.empty, name
+        assert f"\n{name}: " in doc, f"Client.submit's docstring lacks {name}"
+        assert name in adoc, f"AsyncClient.submit's docstring lacks {name}"
+    assert {"prompt", "messages", "model", "job_id"} <= set(inspect.signature(Client.submit)
+                                                          .parameters)
+
+
+def test_submit_keywords_reach_the_request(redis_server):
+    with pagedq.Client(redis_server.url, prefix="pkg", model="m") as c:
+        job = c.submit("hi", min_p=0.05, logprobs=2, priority=7, metadata={"team": "a"},
+                       repetition_penalty=1.1, stop_token_ids=[5], ignore_eos=True,
+                       min_tokens=1, n=2, lane="batch", max_tokens=4, presence_penalty=0.5,
+                       frequency_penalty=0.25, top_k=3, top_p=0.9, temperature=0.7, seed=1,
+                       stop="\n", timeout_s=60)
+        (_id, entry), = c.redis.xrange(c.keys.jobs("m", "batch"))
+    req = JobRequest.model_validate_json(entry["body"])
+    assert req.id == job and req.prompt == "hi"
+    assert (req.min_p, req.logprobs, req.priority, req.metadata) == (0.05, 2, 7, {"team": "a"})
+    assert (req.repetition_penalty, req.stop_token_ids, req.ignore_eos, req.min_tokens,
+            req.n, req.lane) == (1.1, [5], True, 1, 2, "batch")
+    assert (req.presence_penalty, req.frequency_penalty, req.top_k, req.top_p,
+            req.temperature, req.seed, req.stop, req.timeout_s) == \
+        (0.5, 0.25, 3, 0.9, 0.7, 1, ["\n"], 60)
