@@ -28,6 +28,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+import redis
+
 from .client import Client
 from .exits import (  # noqa: F401 - the exit codes are this module's public names too
     EXIT_ERROR,
@@ -75,8 +77,9 @@ def common_options(after_subcommand: bool) -> argparse.ArgumentParser:
     default = argparse.SUPPRESS if after_subcommand else None
     fields = Settings.model_fields
     p.add_argument("--redis-url", metavar="URL", default=default,
-                   help="Redis to use (default: $PAGEDQ_REDIS_URL or "
-                        f"{fields['redis_url'].default})")
+                   help="Redis to use, rediss:// for TLS; give the password by "
+                        "$PAGEDQ_REDIS_PASSWORD(_FILE), not here (docs/deployment.md) "
+                        f"(default: $PAGEDQ_REDIS_URL or {fields['redis_url'].default})")
     p.add_argument("--prefix", default=default,
                    help=f"key prefix (default: $PAGEDQ_PREFIX or {fields['prefix'].default})")
     return p
@@ -147,10 +150,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     with _client(args) as c:
         rec = c.status(args.id)
         print(rec.model_dump_json())
-        if rec.status == Status.queued and rec.model not in c.served_models():
+        if rec.status == Status.queued and not _served(c, rec.model):
             print(f"pagedq: no worker serves model {rec.model!r}: the job waits, and expires "
                   "if none comes within PAGEDQ_UNSERVED_TIMEOUT_S", file=sys.stderr)
     return EXIT_OK
+
+
+def _served(c: Client, model: str) -> bool:
+    """Whether a live worker serves ``model``; True when this user may not ask (a reader
+    user runs no scripts: docs/security.md)."""
+    try:
+        return model in c.served_models()
+    except redis.RedisError as e:
+        denied = redis.exceptions.NoPermissionError
+        if isinstance(e, denied) or isinstance(e.__cause__, denied):
+            return True
+        raise
 
 
 def cmd_result(args: argparse.Namespace) -> int:
@@ -235,8 +250,15 @@ def register(subparsers: argparse._SubParsersAction,
                       "(cancelled, or running until it stops); exit 1 if it had already ended")
     p.add_argument("id", metavar="ID")
     p.set_defaults(func=guarded(cmd_cancel))
+    from . import watch  # `pagedq watch JOB_ID`
+    watch.register(subparsers, parents, guarded(lambda a: watch.cmd_watch(a, _report)),
+                   EXIT_CODES_HELP)
     from .batch.cli import register as register_batch  # `pagedq batch ...` (docs/batches.md)
     register_batch(subparsers, parents)
+    from .acl_cli import register as register_acl  # `pagedq acl` (docs/security.md)
+    register_acl(subparsers, parents)
+    from .admin_cli import register as register_admin  # `pagedq inspect`, `pagedq dlq ...`
+    register_admin(subparsers, parents)
 
 
 def build_parser() -> argparse.ArgumentParser:

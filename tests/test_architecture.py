@@ -21,6 +21,22 @@ def test_producer_and_cli_client_path_do_not_import_torch():
          "assert not bad, bad")
 
 
+def test_gateway_imports_producer_only():
+    """The gateway (FastAPI app, CLI, every module) never imports torch, the engine or the
+    worker; `pagedq -h` (worker.cli's parser, which registers `pagedq gateway`) imports no
+    web framework."""
+    _run("import sys, pkgutil, importlib, gateway\n"
+         "for m in pkgutil.iter_modules(gateway.__path__):\n"
+         "    importlib.import_module('gateway.' + m.name)\n"
+         "gateway.app.create_app()\n"
+         "bad = [m for m in sys.modules if m.split('.')[0] in "
+         "('torch', 'engine', 'worker', 'transformers')]\n"
+         "assert not bad, bad")
+    _run("import sys, worker.cli\nworker.cli.build_parser()\n"
+         "bad = [m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules]\n"
+         "assert not bad, bad")
+
+
 def test_engine_never_imports_redis():
     _run("import sys, engine.llm_engine, engine.block_manager, engine.scheduler\n"
          "assert 'redis' not in sys.modules and 'producer' not in sys.modules\n"
@@ -50,7 +66,7 @@ def _project_imports() -> dict[str, set[str]]:
     import ast
 
     graph: dict[str, set[str]] = {}
-    for pkg in ("producer", "worker", "engine", "kernels"):
+    for pkg in ("pagedq", "producer", "worker", "engine", "kernels", "gateway"):
         for dirpath, _dirs, files in os.walk(os.path.join(ROOT, pkg)):
             for name in files:
                 if not name.endswith(".py"):

@@ -280,5 +280,7 @@ def options_without_default(parser: argparse.ArgumentParser) -> list[str]:
 
 def test_every_option_help_states_its_default():
     p = build_parser()
-    assert len(list(parsers(p))) == 13  # 4 job commands, batch and its 7 subcommands
+    # 4 job commands, watch, batch and its 7 subcommands, acl, inspect, dlq and its 2
+    # subcommands
+    assert len(list(parsers(p))) == 19
     assert options_without_default(p) == []

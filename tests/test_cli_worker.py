@@ -157,9 +157,11 @@ def test_every_option_help_states_its_default():
     p = build_parser()
     assert {sp.prog for sp in parsers(p)} == {
         "pagedq", *(f"pagedq {c}" for c in ("worker", "demo", "submit", "status", "result",
-                                            "cancel", "batch")),
+                                            "cancel", "batch", "config", "acl", "watch")),
         *(f"pagedq batch {c}" for c in ("submit", "status", "results", "cancel", "retry", "list",
-                                        "worker"))}
+                                        "worker")),
+        *(f"pagedq {c}" for c in ("inspect", "dlq", "dlq list", "dlq requeue")),
+        *(f"pagedq gateway{c}" for c in ("", " key", " key add", " key list", " key revoke"))}
     assert options_without_default(p) == []
 
 
@@ -201,15 +203,8 @@ def test_metrics_host_setting_and_binding(monkeypatch):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         assert resp.status == 200 and b"pagedq:" in resp.read()
 
-    seen = []
-
-    class _Server:
-        server_port = 1234
-
-    def fake_start(port, addr="0.0.0.0", registry=None):
-        seen.append((port, addr))
-        return _Server(), None
-
-    monkeypatch.setattr(worker.metrics, "start_http_server", fake_start)
-    assert m.serve(5) == 1234 and m.serve(6, "0.0.0.0") == 1234
-    assert seen == [(5, "127.0.0.1"), (6, "0.0.0.0")]
+    assert m.server.server_address[0] == "127.0.0.1"  # the address really bound
+    m.server.shutdown()
+    m.serve(0, "0.0.0.0")
+    assert m.server.server_address[0] == "0.0.0.0"
+    m.server.shutdown()

@@ -13,7 +13,7 @@ Exit codes of ``pagedq worker``:
   71  an unexpected error in any worker thread
   78  bad configuration (EX_CONFIG): one line "pagedq: ..." on stderr says what was
       wrong and what is allowed (an engine option, the model path, --device, a
-      PAGEDQ_* setting, the Redis URL)
+      PAGEDQ_* setting, the Redis URL, the --config file or one of its keys)
  128+N  killed by a second signal N while draining (130: Ctrl-C, 143: SIGTERM);
       130 also for Ctrl-C while the model loads
 
@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import secrets
 import signal
 import sys
 
 from producer import cli as client_cli
 from worker import fatal
-from worker.names import served_name
+from worker.config import ConfigError, Resolved, resolve
+from worker.settings import LOG_LEVELS
 
 EXIT_CLEAN = 0
 # 70: the step watchdog (worker/liveness.py); 71: an unexpected error in a worker thread;
@@ -42,14 +42,10 @@ WORKER_EXIT_CODES_HELP = "exit codes of `pagedq worker`:\n" + __doc__.split(
 
 # Engine options -> EngineConfig field names (their defaults live in engine/config.py,
 # not imported here: building the parser must not import the engine; a test checks them).
+# Every option defaults to None = not given, so that the environment and the config file
+# (worker/config.py) apply underneath it.
 ENGINE_INT_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
                       "num_kv_blocks", "block_size")
-DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-
-
-class ConfigError(Exception):
-    """A setting that parsed but is not allowed: exit EXIT_CONFIG with one line."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,14 +59,62 @@ def build_parser() -> argparse.ArgumentParser:
     after = [client_cli.common_options(after_subcommand=True)]
 
     w = sub.add_parser("worker", help="serve generation jobs from the model's jobs stream",
-                       description="Serve generation jobs from the model's jobs stream.",
+                       description="Serve generation jobs from the model's jobs stream. Each "
+                                   "setting: flag > PAGEDQ_<NAME> > --config file > default "
+                                   "(docs/configuration.md).",
                        parents=after, epilog=WORKER_EXIT_CODES_HELP, formatter_class=fmt)
+    add_worker_args(w)
+    w.set_defaults(func=cmd_worker)
+
+    c = sub.add_parser("config", help="print the worker's effective configuration and where "
+                                      "each value comes from",
+                       description="Print every worker setting (service and engine) as `pagedq "
+                                   "worker` with the same options would use it, and its source: "
+                                   "flag, env, file or default. Exit 78 if it is not valid.",
+                       parents=after, formatter_class=fmt)
+    add_worker_args(c)
+    c.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of a table (default: off)")
+    c.set_defaults(func=cmd_config)
+
+    d = sub.add_parser("demo", help="embedded Redis + CPU worker + a few streamed jobs",
+                       description="Redis (an embedded redis-server when none answers at "
+                                   "--redis-url) + a worker with the bundled SmolLM2 + a few "
+                                   "chat jobs, streamed into a live view, then a summary. The "
+                                   "demo's Redis keys are removed at exit.",
+                       parents=after)
+    add_engine_args(d)
+    d.add_argument("--jobs", type=int, default=6, help="jobs to submit (default: %(default)s)")
+    d.add_argument("--max-tokens", type=int, default=48,
+                   help="max_tokens of each job (default: %(default)s)")
+    d.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature of each job (default: %(default)s = greedy)")
+    d.add_argument("--plain", action="store_true",
+                   help="plain lines for logs and CI instead of the live view (default: off; "
+                        "on when stdout is not a terminal)")
+    d.add_argument("--keep", action="store_true",
+                   help="keep the demo's Redis keys and the worker's log (default: off)")
+    d.set_defaults(func=cmd_demo)
+
+    client_cli.register(sub, parents=after)
+    from gateway.cli import register as register_gateway  # no web framework imported here
+
+    register_gateway(sub, parents=after)
+    return p
+
+
+def add_worker_args(w: argparse.ArgumentParser) -> None:
+    """The options of `pagedq worker` (and of `pagedq config`, which shows their effect)."""
+    w.add_argument("--config", default=None, metavar="FILE",
+                   help="YAML file of settings, sections model/scheduler/cache/service; flags "
+                        "and PAGEDQ_* variables override it (default: $PAGEDQ_CONFIG or none)")
     add_engine_args(w)
     w.add_argument("--worker-id", default=None,
                    help="stable consumer name; a restarted worker with the same id re-reads "
                         "its own pending jobs (default: <hostname>-<pid>)")
-    w.add_argument("--log-level", default="info", choices=LOG_LEVELS, type=str.lower,
-                   help="log level of the JSON logs on stderr (default: %(default)s)")
+    w.add_argument("--log-level", default=None, choices=LOG_LEVELS, type=str.lower,
+                   help="log level of the JSON logs on stderr "
+                        "(default: $PAGEDQ_LOG_LEVEL or info)")
     w.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on this port "
                         "(default: $PAGEDQ_METRICS_PORT or 0 = off)")
@@ -80,22 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--lanes", default=None, metavar="A,B,...",
                    help="the lanes (jobs streams) to serve, highest first "
                         "(default: $PAGEDQ_LANES or interactive,batch)")
+    w.add_argument("--prefixes", default=None, metavar="A,B,...",
+                   help="serve the jobs of these tenants' key prefixes, fairly within each "
+                        "lane (default: $PAGEDQ_PREFIXES, else just --prefix)")
     w.add_argument("--lane-min-share", type=float, default=None, metavar="F",
                    help="seats each lower lane keeps while it has work, as a share of "
                         "--max-num-seqs (default: $PAGEDQ_LANE_MIN_SHARE or 0.1)")
-    w.set_defaults(func=cmd_worker)
-
-    d = sub.add_parser("demo", help="embedded Redis + CPU worker + a few streamed jobs",
-                       description="Embedded Redis + CPU worker + a few streamed jobs.",
-                       parents=after)
-    add_engine_args(d)
-    d.add_argument("--jobs", type=int, default=6, help="jobs to submit (default: %(default)s)")
-    d.add_argument("--max-tokens", type=int, default=48,
-                   help="max_tokens of each job (default: %(default)s)")
-    d.set_defaults(func=cmd_demo)
-
-    client_cli.register(sub, parents=after)
-    return p
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -105,11 +139,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-name", default=None,
                    help="jobs stream name for this model (default: the --model value if it "
                         "is a name, else the folder/file stem)")
-    p.add_argument("--device", default="auto",
-                   help="auto, cpu, cuda or cuda:N (default: %(default)s = cuda if available, "
+    p.add_argument("--device", default=None,
+                   help="auto, cpu, cuda or cuda:N (default: auto = cuda if available, "
                         "else cpu)")
-    p.add_argument("--dtype", default="auto",
-                   help="auto, float32, bfloat16 or float16 (default: %(default)s = bfloat16 "
+    p.add_argument("--dtype", default=None,
+                   help="auto, float32, bfloat16 or float16 (default: auto = bfloat16 "
                         "on CUDA, float32 on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                    help="sequences in one engine step (default: 64)")
@@ -122,156 +156,176 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache blocks (default: sized from memory)")
     p.add_argument("--block-size", type=int, default=None, metavar="N",
                    help="tokens per KV block: 8, 16, 32, 64 or 128 (default: 16)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="CUDA: share of the device's memory the engine may use, in (0, 1] "
+                        "(default: 0.9)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None, metavar="GB",
+                   help="CPU: memory of the KV cache when --num-kv-blocks is not given "
+                        "(default: 1.0)")
+    p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
                    help="dummy: random weights from config.json alone, for benchmarks "
-                        "(default: %(default)s)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        "(default: auto)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
                    help="fp8: float8_e4m3 KV cache, twice the tokens per GiB (accuracy: "
-                        "docs/benchmarks.md) (default: %(default)s = the model dtype)")
-    p.add_argument("--scheduling-policy", default="priority", choices=["priority", "fcfs"],
+                        "docs/benchmarks.md) (default: auto = the model dtype)")
+    p.add_argument("--scheduling-policy", default=None, choices=["priority", "fcfs"],
                    help="priority: higher lanes and priorities go first and may preempt "
-                        "lower ones; fcfs: arrival order (default: %(default)s)")
+                        "lower ones; fcfs: arrival order (default: priority)")
+    onoff = argparse.BooleanOptionalAction
+    p.add_argument("--enable-chunked-prefill", action=onoff, default=None,
+                   help="split long prompts over several steps (default: on)")
+    p.add_argument("--enable-prefix-caching", action=onoff, default=None,
+                   help="share the KV blocks of common prompt prefixes (default: on)")
+    p.add_argument("--enforce-eager", action=onoff, default=None,
+                   help="no CUDA graphs (default: off)")
+    p.add_argument("--async-scheduling", action=onoff, default=None,
+                   help="schedule step N+1 before step N's tokens reach the host "
+                        "(default: on for CUDA, off on the CPU)")
+    p.add_argument("--use-triton", action=onoff, default=None,
+                   help="Triton kernels (default: on for CUDA, the reference path on the CPU)")
     p.add_argument("--seed", type=int, default=None,
                    help="noise seed of jobs without their own seed (default: random per process, "
                         "so workers never share a noise stream)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="ranks sharing the model, one process and one GPU each (cuda:N.. "
+                        "on --device cuda:N; gloo on cpu) (default: 1)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    kw = {"device": args.device, "dtype": args.dtype, "load_format": args.load_format,
-          "kv_cache_dtype": args.kv_cache_dtype,
-          "scheduling_policy": getattr(args, "scheduling_policy", "priority"),
-          "seed": args.seed if args.seed is not None else secrets.randbits(63)}
-    for name in ENGINE_INT_OPTIONS:
-        v = getattr(args, name)
-        if v is not None:
-            kw[name] = v
-    return kw
+    """LLMEngine keyword arguments of a parsed command line (flags > env > file > default)."""
+    return resolve(args).engine_kwargs()
 
 
 def settings_from(args: argparse.Namespace):
-    from producer.settings import Settings
-
-    over = {}
-    if getattr(args, "redis_url", None):
-        over["redis_url"] = args.redis_url
-    if getattr(args, "prefix", None):
-        over["prefix"] = args.prefix
-    if getattr(args, "metrics_port", None) is not None:
-        over["metrics_port"] = args.metrics_port
-    if getattr(args, "metrics_host", None):
-        over["metrics_host"] = args.metrics_host
-    if getattr(args, "lanes", None):
-        over["lanes"] = args.lanes
-    if getattr(args, "lane_min_share", None) is not None:
-        over["lane_min_share"] = args.lane_min_share
-    if getattr(args, "model", None):
-        over["model"] = served_name(args.model, getattr(args, "served_name", None))
-    elif getattr(args, "served_name", None):
-        over["model"] = args.served_name
-    return Settings(**over)
+    """The service Settings of a parsed command line (flags > env > file > default)."""
+    return resolve(args).service
 
 
 # ---- configuration checks: one clear line and EXIT_CONFIG, never a traceback ----------
 
-def _flags(msg: str) -> str:
-    """An engine message in the CLI's words: field names -> their flags, one line."""
-    for name in (*ENGINE_INT_OPTIONS, "kv_cache_dtype", "load_format", "dtype", "device"):
-        msg = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), msg)
-    return " ".join(msg.split())
-
-
-def _settings_error(e) -> ConfigError:
-    """A pydantic ValidationError of Settings -> which flag/variable, what is allowed."""
-    parts = []
-    for err in e.errors():
-        name = str(err["loc"][0]) if err.get("loc") else "?"
-        where = f"PAGEDQ_{name.upper()}"
-        if name in ("redis_url", "prefix", "metrics_port", "metrics_host", "model", "lanes",
-                    "lane_min_share"):
-            where = f"--{name.replace('_', '-')} / {where}"
-        parts.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
-    return ConfigError("bad setting: " + "; ".join(parts))
-
-
 def check_settings(args: argparse.Namespace):
-    """Settings and engine options that can be checked without loading torch."""
-    from pydantic import ValidationError
+    """The service Settings, after check_config(args)."""
+    return check_config(args).service
 
-    try:
-        settings = settings_from(args)
-    except ValidationError as e:
-        raise _settings_error(e) from None
+
+def check_config(args: argparse.Namespace) -> Resolved:
+    """Every setting (flags, PAGEDQ_* variables, the config file) checked as far as it can
+    be without loading torch; the effective configuration. Raises ConfigError."""
+    cfg = resolve(args)
+    settings = cfg.service
     from producer.keys import check_name
 
-    for kind, value, where in (("prefix", settings.prefix, "--prefix / PAGEDQ_PREFIX"),
-                               ("served model name", settings.model,
-                                "--served-name (or the --model stem) / PAGEDQ_MODEL")):
+    name_from = cfg.origin("served_name") if cfg.worker.served_name else \
+        f"the stem of {cfg.origin('model')} (or give --served-name)"
+    for kind, value, where in (("prefix", settings.prefix, cfg.origin("prefix")),
+                               ("served model name", settings.model, name_from)):
         try:
             check_name(kind, value)
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
-    try:
-        import redis
+    from producer import connection
 
-        redis.ConnectionPool.from_url(settings.redis_url)  # parses only, connects later
-    except ValueError as e:
-        raise ConfigError(f"--redis-url / PAGEDQ_REDIS_URL {settings.redis_url!r}: "
-                          f"{_flags(str(e))}") from None
+    try:  # the URL parses; password and TLS files readable (connection.redis_kwargs)
+        connection.check_offline(settings)
+    except connection.RedisSetupError as e:
+        raise ConfigError(str(e).replace("--redis-url / PAGEDQ_REDIS_URL",
+                                         cfg.origin("redis_url"))) from None
     if settings.metrics_port:
         import socket
 
         try:
             socket.getaddrinfo(settings.metrics_host, settings.metrics_port)
         except (OSError, UnicodeError) as e:
-            raise ConfigError(f"--metrics-host / PAGEDQ_METRICS_HOST {settings.metrics_host!r}"
+            raise ConfigError(f"{cfg.origin('metrics_host')} {settings.metrics_host!r}"
                               f" is not an address of this host ({e}); give an IP address "
                               f"such as 127.0.0.1 or 0.0.0.0") from None
-    if not DEVICE_RE.fullmatch(args.device):
-        raise ConfigError(f"--device {args.device!r} is not a device: give auto, cpu, cuda "
-                          f"or cuda:N")
     from engine.config import EngineConfig  # dataclasses only: no torch
 
     try:
-        EngineConfig(**engine_kwargs(args)).validate()
+        EngineConfig(**cfg.engine_kwargs()).validate()
     except ValueError as e:
-        raise ConfigError(_flags(str(e))) from None
-    return settings
+        raise ConfigError(cfg.explain(str(e))) from None
+    return cfg
 
 
-def build_engine(args: argparse.Namespace):
-    """LLMEngine(...) with the configuration errors it can raise as ConfigError."""
+def check_model(cfg: Resolved) -> None:
+    """The model exists here (a name, folder or file), before anything loads: no torch.
+    Not part of check_config: `pagedq config` may describe another machine's worker."""
+    from engine.loader import resolve_model
+
+    try:
+        resolve_model(cfg.worker.model, cfg.worker.load_format != "dummy")
+    except ValueError as e:
+        raise ConfigError(f"{cfg.origin('model')}: {e}") from None
+
+
+def build_engine(cfg: Resolved, on_stage=None):
+    """LLMEngine(...) with the configuration errors it can raise as ConfigError.
+    ``on_stage(text)`` hears the loading stages (engine/progress.py), from the first one
+    after the device check: a bad device stays the only line on stderr."""
     import torch
 
+    from engine import progress
     from engine.llm_engine import LLMEngine
 
-    m = re.fullmatch(r"cuda(?::(\d+))?", args.device)
+    device, model = cfg.worker.device, cfg.worker.model
+    m = re.fullmatch(r"cuda(?::(\d+))?", device)
     if m and not torch.cuda.is_available():
-        raise ConfigError(f"--device {args.device}: CUDA is not available on this machine; "
-                          f"use --device cpu (or auto)")
+        raise ConfigError(f"{cfg.origin('device')} {device}: CUDA is not available on this "
+                          f"machine; use cpu (or auto)")
     if m and m[1] and int(m[1]) >= torch.cuda.device_count():
-        raise ConfigError(f"--device {args.device}: this machine has "
+        raise ConfigError(f"{cfg.origin('device')} {device}: this machine has "
                           f"{torch.cuda.device_count()} CUDA device(s), cuda:0 to "
                           f"cuda:{torch.cuda.device_count() - 1}")
     try:
-        return LLMEngine(args.model or "smollm2", **engine_kwargs(args))
+        with progress.reporting(on_stage or (lambda _text: None)):
+            return LLMEngine(model, **cfg.engine_kwargs())
     except ValueError as e:  # model path, device, max_model_len vs memory, ...
-        raise ConfigError(_flags(str(e))) from None
+        raise ConfigError(cfg.explain(str(e))) from None
     except OSError as e:  # an unreadable model file or folder
-        raise ConfigError(f"--model {args.model or 'smollm2'!r} cannot be read: "
+        raise ConfigError(f"{cfg.origin('model')} {model!r} cannot be read: "
                           f"{' '.join(str(e).split())}") from None
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from worker import logs
 
-    logs.configure(args.log_level)
-    settings = check_settings(args)
-    engine = build_engine(args)
+    cfg = check_config(args)
+    check_model(cfg)
+    logs.configure(cfg.worker.log_level)
+    # wrong credentials or TLS set-up: exit 78 now, before the model loads; Redis not
+    # answering is no error here (the worker starts and retries)
+    from producer import connection
+
+    try:
+        connection.probe(cfg.service)
+    except connection.RedisUnusable as e:
+        raise ConfigError(str(e)) from None
+    from worker.startup import StartReporter
+
+    with StartReporter(cfg.service.model) as report:  # loading stages on stderr
+        engine = build_engine(cfg, report.stage)
+    from worker.config_show import log_config
     from worker.service import Worker
 
-    w = Worker(engine, settings, worker_id=args.worker_id)
+    w = Worker(engine, cfg.service, worker_id=cfg.worker.worker_id)
+    # tensor-parallel: a rank process that dies ends the worker at once (exit 71), idle or
+    # not; leases hand its jobs to other workers
+    engine.set_failure_handler(lambda e: fatal.die("tensor-parallel", e, list(w.jobs)))
+    report.ready(engine, cfg, w.worker_id)  # the start line, before the JSON logs
+    log_config(cfg)  # after the last configuration check: a bad one stays one stderr line
     install_signal_handlers(w)
-    w.run()
+    try:
+        w.run()
+    except connection.RedisUnusable as e:  # refused at start, after the pre-check passed
+        raise ConfigError(str(e)) from None
+    return EXIT_CLEAN
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from worker.config_show import render
+
+    print(render(check_config(args), as_json=args.json))
     return EXIT_CLEAN
 
 
@@ -290,7 +344,7 @@ def install_signal_handlers(w) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from worker.demo import run_demo
 
-    check_settings(args)  # the demo's worker would exit 78 into its log file; say it here
+    check_model(check_config(args))  # the demo's worker would exit 78 into its log; say it here
     return run_demo(args)
 
 
@@ -306,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `pagedq config | head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports it
 
 
 if __name__ == "__main__":

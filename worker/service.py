@@ -16,10 +16,12 @@ import redis
 import structlog
 
 from engine.llm_engine import LLMEngine
+from producer import connection
 from producer.keys import GROUP, Keys
 from producer.schema import FinishReason, Status
 from producer.settings import Settings
 from worker import fatal, faults, liveness, recovery
+from worker.health import DRAINING, SERVING, STOPPED, Health
 from worker.intake import Intake
 from worker.jobs import Job, WorkerIdentity, logprobs_json, split_request_id
 from worker.metrics import Metrics
@@ -47,19 +49,25 @@ class Worker:
         self.worker_id = worker_id or default_worker_id()
         # surrogateescape: an entry that is not UTF-8 reaches parse_entry (and the DLQ,
         # byte for byte) instead of failing the whole XREADGROUP reply
-        self.r = redis.Redis.from_url(s.redis_url, decode_responses=True,
-                                      encoding_errors="surrogateescape",
-                                      health_check_interval=10, socket_timeout=30)
-        ident = self.ident = WorkerIdentity(self.r, Keys(s.prefix), s, s.model, self.worker_id)
+        self.r = connection.connect(s, decode_responses=True, encoding_errors="surrogateescape",
+                                    health_check_interval=10, socket_timeout=30)
+        # the tenants served: one key prefix each (one prefix = a list of one)
+        tenants = tuple(Keys(p) for p in s.served_prefixes)
+        ident = self.ident = WorkerIdentity(self.r, tenants[0], s, s.model, self.worker_id,
+                                            tenants)
         self.model, self.keys = ident.model, ident.keys
         self.log = log.bind(worker_id=self.worker_id, model=self.model)
         self.jobs: dict[str, Job] = {}
         self.metrics = Metrics()
-        self.publisher = Publisher(self.r, self.keys, s, self.model)
+        self.metrics.watch_device(engine.runner.device)
+        self.health = Health(s.health_max_silence_s, self.worker_id)  # /healthz, /readyz
+        self.publisher = Publisher(self.r, s)
         self.pacer = StepPacer(engine, s.max_step_s, s.step_watchdog_s)
         self.intake = Intake(ident, engine, self.publisher, self.metrics, self.pacer, self.jobs,
                              self._final, self.log)
-        self.heartbeat = liveness.Heartbeat(ident, self.publisher)
+        self.heartbeat = liveness.Heartbeat(ident, self.publisher,
+                                            device=str(engine.runner.device),
+                                            max_num_seqs=engine.config.max_num_seqs)
         self.sweep = recovery.UnservedSweep(ident, self.log)
         self.watchdog = liveness.Watchdog(self.pacer.watchdog_limit_s, self.worker_id,
                                           keepalive=self._beat,
@@ -78,20 +86,25 @@ class Worker:
         self._stopping = True
 
     def run(self, *, until_idle: bool = False) -> None:
-        """Serve until ``request_stop()`` (or, with ``until_idle``, until nothing is left)."""
-        self._redis_call(self._ensure_group)
+        """Serve until ``request_stop()`` (or, with ``until_idle``, until nothing is left).
+        Raises RedisUnusable, before starting anything, when Redis refuses the credentials
+        or the TLS set-up; Redis not answering is not fatal (intake retries)."""
+        self._redis_call(self._start_check)
         if self.s.metrics_port:
-            port = self.metrics.serve(self.s.metrics_port, self.s.metrics_host)
+            port = self.metrics.serve(self.s.metrics_port, self.s.metrics_host, self.health)
             self.log.info("metrics_listening", host=self.s.metrics_host, port=port)
         self.publisher.start()
         self.watchdog.start()
         self.log.info("worker_started", streams=self.ident.streams)
         t_start = time.perf_counter()
+        self.health.beat()
+        self.health.set_phase(SERVING)
         try:
             self._loop(until_idle)
         except Exception as e:  # noqa: BLE001 - an engine-loop fault ends the process
             fatal.die("engine", e, list(self.jobs))
         finally:
+            self.health.set_phase(STOPPED)
             self.watchdog.stop()
             self.publisher.stop()
             self.heartbeat.leave()
@@ -106,12 +119,14 @@ class Worker:
         own_pending = True  # a restarted worker first re-reads its own pending entries
         drain_until = None
         while True:
+            self.health.beat()  # one beat per iteration: /healthz's liveness
             self._drain_cancels()
             if self._stopping:
                 now = time.monotonic()
                 if drain_until is None:
                     drain_until = now + self.s.drain_timeout_s
                     self.log.info("drain_started", running=len(self.jobs))
+                    self.health.set_phase(DRAINING)
                 if not self.jobs or now > drain_until:
                     break
             else:
@@ -163,6 +178,14 @@ class Worker:
             self._backoff = min(self._backoff * 2, 5.0)
             return False
 
+    def _start_check(self) -> None:
+        try:
+            self._ensure_group()
+        except redis.RedisError as e:  # RedisUnusable is not _REDIS_DOWN: _redis_call raises it
+            if connection.is_fatal(e):
+                raise connection.RedisUnusable(self.s.redis_url, e) from e
+            raise
+
     def _ensure_group(self) -> None:
         for stream in self.ident.streams:
             try:
@@ -176,17 +199,16 @@ class Worker:
         any other worker's next reclaim takes them (they resume from their events)."""
         if not self.jobs:
             return
-        by_lane: dict[str, list[str]] = {}
+        by_stream: dict[str, list[str]] = {}
         for j in self.jobs.values():
-            by_lane.setdefault(j.lane, []).append(j.entry_id)
-        for job_id in list(self.jobs):
-            self.engine.abort_request(job_id)
+            by_stream.setdefault(self.ident.stream(j.lane, j.keys), []).append(j.entry_id)
+        for uid in list(self.jobs):
+            self.engine.abort_request(uid)
         self.publisher.flush()
         idle_ms = int(self.s.lease_s * 1000) * 10
         try:
-            for lane, ids in by_lane.items():
-                self.r.xclaim(self.ident.stream(lane), GROUP, self.worker_id, 0, ids,
-                              idle=idle_ms, justid=True)
+            for stream, ids in by_stream.items():
+                self.r.xclaim(stream, GROUP, self.worker_id, 0, ids, idle=idle_ms, justid=True)
         except _REDIS_DOWN:
             pass  # the lease expires on its own
         self.log.info("jobs_released", count=len(self.jobs))
@@ -198,7 +220,7 @@ class Worker:
         jobs, top, urgent = self.jobs, self.ident.lanes[0], False
         for o in outs:
             rid, k = o.request_id, 0
-            job = jobs.get(rid)  # n == 1: the request id is the job id
+            job = jobs.get(rid)  # n == 1: the request id is the job's uid
             if job is None:
                 if "#" not in rid:
                     continue
@@ -223,7 +245,7 @@ class Worker:
             lp = logprobs_json(o.logprobs, self._token_text) if o.logprobs else None
             batch.append((rid, job.attempt, None if job.request.n == 1 else k, o.delta,
                           o.new_token_ids, lp, fr))
-        self.metrics.generation_tokens.inc(len(batch))
+        self.metrics.generation_tokens.inc(sum(len(b[4]) for b in batch))  # tokens, not events
         self.publisher.tokens(batch, urgent)
         for job in ended:
             self._final(job, Status.finished, job.finish_reason())
@@ -234,11 +256,11 @@ class Worker:
 
     def _final(self, job: Job, status: Status, reason: str, error: str = "") -> None:
         """End the job: choices still running end with ``reason`` (cancelled, deadline)."""
-        self.jobs.pop(job.job_id, None)
+        self.jobs.pop(job.uid, None)
         for choice in job.choices:
             if choice.finish_reason is None:
                 choice.finish_reason = reason
-        jlog, m = self.log.bind(job_id=job.job_id), self.metrics
+        jlog, m = self.log.bind(job_id=job.job_id, prefix=job.keys.prefix), self.metrics
 
         def done(verdict: str) -> None:
             m.finished.labels(status).inc()
@@ -246,8 +268,8 @@ class Worker:
             jlog.info("job_done", status=status, finish_reason=reason, verdict=verdict,
                       completion_tokens=job.completion_tokens)
 
-        self.publisher.final(Final(job.job_id, job.attempt, job.entry_id,
-                                   self.ident.stream(job.lane), status, reason,
+        self.publisher.final(Final(job.keys, job.job_id, job.attempt, job.entry_id,
+                                   self.ident.stream(job.lane, job.keys), status, reason,
                                    job.text, error, job.prompt_tokens,
                                    job.completion_tokens, done, job.choices_json()))
 
@@ -256,19 +278,20 @@ class Worker:
         self._apply_cancels()
         now = time.time()
         for job in [j for j in self.jobs.values() if j.deadline is not None and now > j.deadline]:
-            self.engine.abort_request(job.job_id)
+            self.engine.abort_request(job.uid)
             self._final(job, Status.finished, FinishReason.deadline)
 
     def _apply_cancels(self) -> None:
         while not self.publisher.lost.empty():  # another worker took it over: stop, no result
             job = self.jobs.pop(self.publisher.lost.get(), None)
             if job is not None:
-                self.engine.abort_request(job.job_id)
-                self.log.warning("job_lost", job_id=job.job_id, attempt=job.attempt)
+                self.engine.abort_request(job.uid)
+                self.log.warning("job_lost", job_id=job.job_id, prefix=job.keys.prefix,
+                                 attempt=job.attempt)
         while not self.publisher.cancel_hits.empty():
             job = self.jobs.get(self.publisher.cancel_hits.get())
             if job is not None:
-                self.engine.abort_request(job.job_id)
+                self.engine.abort_request(job.uid)
                 self._final(job, Status.cancelled, FinishReason.cancelled)
 
     def _beat(self) -> None:
