@@ -313,7 +313,10 @@ def test_missing_acl_permission_at_worker_start_exits_78(tls, tiny_dir):
                            "--served-name", MODEL, "--prefix", PREFIX + "-acl", env=env,
                            timeout=180)
     assert code == 78, out
-    lines = [x for x in out.splitlines() if x.startswith("pagedq: ")]
+    # the loading stages and the start line come first (the groups are made after the
+    # model loads); then exactly one error line
+    lines = [x for x in out.splitlines() if x.startswith("pagedq: ")
+             and not x.startswith(("pagedq: loading ", "pagedq: ready "))]
     assert lines == [lines[0]] and "Traceback" not in out, out
     assert lines[0].startswith(f"pagedq: cannot use Redis at {tls.url}: permission denied: ")
     assert LIMITED_PW not in out
