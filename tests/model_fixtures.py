@@ -79,6 +79,16 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0) -> Path:
     return Path(folder)
 
 
+def make_tiny_chat_model(folder: Path) -> Path:
+    """make_tiny_model's Llama with a minimal chat template (for chat requests)."""
+    make_tiny_model("LlamaForCausalLM", folder)
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    tok.save_pretrained(folder)
+    return folder
+
+
 def load_hf(folder: Path):
     """The transformers reference model from a folder, float32, eval."""
     from transformers import AutoModelForCausalLM

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,9 @@ from producer.batch import Batches, BatchSettings
 from producer.batch.lines import job_id
 from producer.cli import main as client_main
 from producer.settings import Settings
-from tests.model_fixtures import make_tiny_model, tiny_tokenizer
+from tests.model_fixtures import make_tiny_chat_model
 from tests.tiny_service import MODEL
+from tests.waiting import until
 from tests.worker_proc import ROOT, WorkerProc
 from worker.redis_server import RedisServer
 
@@ -34,12 +34,7 @@ FAST = {"PAGEDQ_BATCH_POLL_S": "0.2", "PAGEDQ_BATCH_LEASE_S": "2",
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """tests/tiny_service.py's tiny Llama, with a chat template (for the chat lines)."""
-    folder = make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("tiny-chat"))
-    tok = tiny_tokenizer()
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
-    tok.save_pretrained(folder)
-    return str(folder)
+    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
 
 
 class RqWorker:
@@ -150,16 +145,6 @@ def env(service):
     for w in started:
         w.stop()
     worker.signal(signal.SIGCONT)  # whatever the test did
-
-
-def until(cond, what: str, timeout: float = 60.0, every: float = 0.02):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def write_input(path: Path, n: int, bad: bool = True, max_tokens: int = 3,

@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -33,6 +32,7 @@ import yaml
 from producer import Client
 from producer.batch.settings import BatchSettings
 from producer.settings import Settings
+from tests.waiting import until
 from worker.cli import build_parser
 from worker.names import served_name
 from worker.redis_server import free_port
@@ -205,17 +205,6 @@ def get(url: str, timeout: float = 5.0, accept: str | None = None) -> tuple[int,
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
-
-
-def until(cond, what: str, timeout: float = 60.0, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        out = cond()
-        if out:
-            return out
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(every)
 
 
 def run_probe(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:

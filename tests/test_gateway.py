@@ -28,7 +28,7 @@ import redis
 
 from producer import Client
 from producer.settings import Settings
-from tests.model_fixtures import make_tiny_model, tiny_tokenizer
+from tests.model_fixtures import make_tiny_chat_model
 from tests.test_batch_e2e import RqWorker, until
 from tests.tiny_service import MODEL
 from tests.worker_proc import ROOT, WorkerProc
@@ -43,12 +43,7 @@ CHAT = [{"role": "user", "content": "Tell me a story"}]
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """tests/tiny_service.py's tiny Llama, with a chat template."""
-    folder = make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("tiny-gw"))
-    tok = tiny_tokenizer()
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
-    tok.save_pretrained(folder)
-    return str(folder)
+    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tiny-gw")))
 
 
 def free_port() -> int:

@@ -35,6 +35,7 @@ from producer.schema import FinalEvent
 from producer.settings import Settings
 from tests.tiny_service import MODEL
 from tests.tls_certs import Pki, make_pki
+from tests.waiting import until
 from tests.worker_proc import ROOT, WorkerProc
 from worker.redis_server import (
     RedisServer,
@@ -49,16 +50,6 @@ PREFIX = "tls"
 PASSWORD = "pw-" + os.urandom(8).hex()  # distinctive: grepped for in logs and error lines
 WRONG = "wrong-" + os.urandom(8).hex()
 LIMITED_USER, LIMITED_PW = "limited", "lim-" + os.urandom(8).hex()
-
-
-def until(cond, what: str, timeout: float = 60.0, every: float = 0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Tls:
