@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU figures of issue 4 in one go (run from the repo root on the H200 machine; OUT is
 # the folder for JSON results). What each line measures is in bench/*.py's docstrings.
-#   bash bench/h200.sh [tests] [main] [ablations] [profile] [kernels] [service]
+#   bash bench/h200.sh [tests] [main] [ablations] [profile] [kernels] [service] [openloop]
+#                      [prefill]
+# (openloop: about 5 minutes by estimate, not yet timed: give it a call of its own; plot its
+# JSON where matplotlib is, with python bench/plot.py JSON)
 set -u
 OUT=${OUT:-/tmp/pagedq-bench}
 mkdir -p "$OUT"
@@ -27,5 +30,9 @@ for s in $steps; do
              echo "service, PAGEDQ_COALESCE_MS=0 (an event per job per step):"
              PAGEDQ_COALESCE_MS=0 timeout 300 python3 bench/service.py --num-seqs 256 \
                "${reuse[@]}" 2>&1 | tail -2 ;;
+    openloop) export PAGEDQ_REDIS_SERVER=${PAGEDQ_REDIS_SERVER:-$PWD/.whl/redis-server}
+              timeout 580 python3 bench/service.py --rate auto --duration 30 --settle 5 \
+                --out "$OUT" 2>&1 | grep -v -i warn | tail -12 ;;
+    prefill) timeout 300 python3 bench/prefill.py --out "$OUT" 2>&1 | grep -v -i warn | tail -6 ;;
   esac
 done

@@ -7,7 +7,7 @@ One warm-up call, then one timed call. Also reports KV waste: the share of alloc
 KV slots (blocks of running sequences x block size) not holding a computed token,
 sampled every 8th step.
 
-  python bench/offline.py [--shape qwen3-0.6b|llama-3.2-1b|llama-3.1-8b|llama-3.1-70b]
+  python bench/offline.py [--shape qwen3-0.6b|llama-3.2-1b|llama-3.1-8b|llama-3.1-70b|tiny]
                           [--num-seqs 256] [--tensor-parallel-size N]
                           [--enforce-eager] [--disable rms_norm,fused_add_rms_norm,apply_rotary]
 (bench/tp.py runs it at several --tensor-parallel-size values and compares.)
@@ -56,6 +56,11 @@ SHAPES = {
                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                         "original_max_position_embeddings": 8192}),
 }
+# A few-MB Qwen3 for CPU checks of the bench scripts themselves (--smoke): ids up to 10,000
+# fit its vocabulary; its figures mean nothing.
+SHAPES["tiny"] = dict(SHAPES["qwen3-0.6b"], vocab_size=10240, hidden_size=64,
+                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
 PHYSICAL_LIMIT = {"qwen3-0.6b": 35600.0}  # tok/s on the H200 (docs/benchmarks.md)
 
 

