@@ -56,6 +56,7 @@ TIMEOUT_ENV = "PAGEDQ_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
 FAILURE_GRACE_S = 3.0  # a failed collective waits this long for the monitor to name a dead rank
 STOP_WAIT_S = 10.0  # close(): how long ranks get to exit before SIGKILL
+LEAVE_WAIT_S = 10.0  # leave_group(): how long a clean destroy may take before an abort
 
 
 ONE_GROUP = ("a torch.distributed process group already exists in this process (one "
@@ -102,6 +103,26 @@ def cpu_threads(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
+def leave_group(abort: bool = False) -> bool:
+    """Tear the process group down, bounded: NCCL's destroy finalises the communicators
+    with their peers (each rank leaves on "stop", the driver too), and should that not end
+    within LEAVE_WAIT_S (a peer gone or wedged) the group is aborted, again bounded. True
+    when the group is gone; False leaves a stuck daemon thread behind, never a hang."""
+    def attempt(fn: Any) -> bool:
+        def call() -> None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
+        t = threading.Thread(target=call, name="pagedq-tp-leave", daemon=True)
+        t.start()
+        t.join(LEAVE_WAIT_S)
+        return not t.is_alive()
+    if not abort and attempt(dist.destroy_process_group):
+        return True
+    return attempt(dist.distributed_c10d._abort_process_group)
+
+
 # ---- the driver's side -----------------------------------------------------------------
 
 _live_groups: weakref.WeakSet[RankGroup] = weakref.WeakSet()
@@ -129,6 +150,8 @@ class RankGroup:
         self.device = device
         self.failure: TensorParallelError | None = None
         self.on_failure = None  # callable(TensorParallelError), from the monitor thread
+        # () -> (() -> None) | None: the driver's runner's release_graphs, as a weak method
+        self.before_leave: Any = None
         self._failed = threading.Event()
         self._lock = threading.Lock()
         self._closed = False
@@ -307,11 +330,13 @@ class RankGroup:
             except (OSError, ValueError):
                 pass
         if self._owns_group and dist.is_initialized():
-            if self.failure is None or self.device.type != "cuda":
+            release = self.before_leave() if self.before_leave is not None else None
+            if release is not None:
                 try:
-                    dist.destroy_process_group()
-                except Exception:  # noqa: BLE001 - leaving anyway
+                    release()
+                except Exception:  # noqa: BLE001 - a failed device: abort below anyway
                     pass
+            leave_group(abort=self.failure is not None and self.device.type == "cuda")
         # a rank still building (or a group that failed) is not reading its pipe: no wait
         deadline = time.monotonic() + (STOP_WAIT_S if self._serving and not self.failure else 0)
         for p in self.procs:
@@ -399,7 +424,10 @@ def serve(runner: Any, link: DriverLink) -> None:
         msg = link.recv()
         if msg[0] == "step":
             runner.run_packed(msg[1])
-        elif msg[0] == "stop":  # the process exits without tearing its group down
+        elif msg[0] == "stop":  # leave the group with the driver (bounded), then exit
+            if dist.is_initialized():
+                runner.release_graphs()
+                leave_group()
             return
         else:
             raise TensorParallelError(f"rank {link.rank}: unknown command {msg[0]!r}")

@@ -32,6 +32,7 @@ from engine.parallel import SINGLE
 from engine.progress import stage
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from kernels.layout import transposed_view
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -106,6 +107,7 @@ class ModelRunner:
                 stage(f"starting {tp_size - 1} tensor-parallel rank process(es)")
                 link = self.ranks = RankGroup(type(self), model_name_or_path, config,
                                               self.device)
+                self.ranks.before_leave = weakref.WeakMethod(self.release_graphs)
                 weakref.finalize(self, self.ranks.close)
             self._link = link
             try:
@@ -197,8 +199,12 @@ class ModelRunner:
         # zeros, not empty: a kernel that multiplies masked-out garbage by 0 must not see NaN
         self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size, m.num_kv_heads,
                                     m.head_dim, dtype=self.kv_cache_dtype, device=self.device)
+        # an fp8 V cache is laid out [D, block_size] per block and head (kernels/layout.py):
+        # its decode kernel needs V's tokens contiguous; kv_cache keeps the same bytes
+        fp8 = self.kv_cache_dtype == torch.float8_e4m3fn
         for i, attn in enumerate(layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            v = self.kv_cache[1, i]
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], transposed_view(v) if fp8 else v
 
     def _profile_num_blocks(self) -> int:
         """CPU: kv_cache_memory_gb. CUDA: run one warm-up step of max_num_batched_tokens with a
@@ -356,6 +362,16 @@ class ModelRunner:
         process dies, even while the engine is idle. No-op with one rank."""
         if self.ranks is not None:
             self.ranks.on_failure = callback
+
+    def release_graphs(self) -> None:
+        """Destroy the CUDA graphs. NCCL keeps a communicator alive while a captured graph
+        refers to it, so its destroy (and even its abort) waits forever: every rank releases
+        its graphs before it leaves the process group."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (a no-op with one rank, and the second time)."""
