@@ -76,7 +76,7 @@ def hash_key(key: str) -> str:
 
 
 def apikeys_key(prefix: str) -> str:
-    return Keys(prefix).base + ":apikeys"
+    return Keys(prefix).apikeys
 
 
 @dataclass(frozen=True, slots=True)

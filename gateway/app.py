@@ -13,14 +13,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import redis
-import redis.asyncio as aredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from producer.batch import BatchSettings
-from producer.connection import redis_kwargs
+from producer.connection import connect_async
 from producer.settings import Settings
 
 from . import batches, completions
@@ -39,8 +38,7 @@ class Gateway:
     def __init__(self, settings: Settings, gateway: GatewaySettings,
                  batch_settings: BatchSettings) -> None:
         self.settings, self.gateway, self.batch_settings = settings, gateway, batch_settings
-        self.redis = aredis.Redis.from_url(settings.redis_url, decode_responses=True,
-                                           **redis_kwargs(settings))
+        self.redis = connect_async(settings, decode_responses=True)
         self.auth = Auth(self.redis, settings.prefix, gateway.auth, gateway.keys_file)
         self.tenants = Tenants(settings, batch_settings)
 

@@ -39,11 +39,16 @@ _BATCH_TIMES = ("created_at", "in_progress_at", "finalizing_at", "completed_at",
 
 
 def _file_key(tenant: str, file_id: str) -> str:
-    return f"{Keys(tenant).base}:file:{file_id}"
+    return Keys(tenant).file(file_id)
+
+
+def _batch_key(gw: Any, tenant: str, batch_id: str) -> str:
+    """A batch's record, in the partition its id names (producer/keys.py)."""
+    return Keys(tenant).of_job(batch_id, gw.settings.partitions).batch(batch_id)
 
 
 def _files_key(tenant: str) -> str:
-    return f"{Keys(tenant).base}:files"
+    return Keys(tenant).files
 
 
 # ---- files
@@ -214,7 +219,7 @@ async def create_batch(gw: Any, tenant: str, body: dict[str, Any]) -> dict[str, 
     except InvalidRequest as e:
         raise bad_request(str(e)) from None
     await gw.tenants.client(tenant).redis.hset(
-        Keys(tenant).batch(b.id), mapping={"openai_input_file_id": file_id,
+        _batch_key(gw, tenant, b.id), mapping={"openai_input_file_id": file_id,
                                            "openai_endpoint": endpoint})
     return await batch_object(gw, tenant, b)
 
@@ -251,7 +256,7 @@ async def list_batches(gw: Any, tenant: str, limit: int) -> dict[str, Any]:
 async def batch_object(gw: Any, tenant: str, b: Batch) -> dict[str, Any]:
     """pagedq's batch in OpenAI's Batch shape (plus ``model``)."""
     file_id, endpoint = await gw.tenants.client(tenant).redis.hmget(
-        Keys(tenant).batch(b.id), "openai_input_file_id", "openai_endpoint")
+        _batch_key(gw, tenant, b.id), "openai_input_file_id", "openai_endpoint")
     rc = b.request_counts
     return {"id": b.id, "object": "batch", "endpoint": endpoint or "", "model": b.model,
             "errors": b.errors, "input_file_id": file_id or "",

@@ -41,7 +41,8 @@ async def handle(gw: Any, kind: str, request: Request) -> Response:
     gen: Generation | None = None
     problem: APIError | None = None
     try:
-        gen = generation(kind, parse_json(raw), gw.settings.model, request.headers)
+        gen = generation(kind, parse_json(raw), gw.settings.model, request.headers,
+                         gw.settings.partitions)
     except APIError as e:
         problem = e  # answered after the key is checked: a stranger learns nothing
     est = gen.est_tokens() if gen is not None and gen.resume is None else 0
@@ -228,7 +229,7 @@ async def _response(client: AsyncClient, gen: Generation, rec: JobRecord,
         choices = [{"index": 0, "text": rec.text, "finish_reason": rec.finish_reason}]
     lps = None
     if gen.logprobs:
-        log_ = await client.redis.xrange(client.keys.out(gen.job_id))
+        log_ = await client.redis.xrange(client.keys_of(gen.job_id).out(gen.job_id))
         lps = token_logprobs([f for _, f in log_], gen.req.n)
     return JSONResponse(response_body(gen.kind, gen.job_id, gen.req.model,
                                       int(rec.created_at or 0), choices, lps,

@@ -3,6 +3,7 @@ OpenAI's status codes (docs/gateway.md has the table)."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import redis
@@ -68,6 +69,10 @@ def from_pagedq(e: Exception, overloaded_retry_after: int = 1) -> APIError | Non
         return APIError(504, str(e), "timeout")
     if isinstance(e, NoWorker):
         return APIError(503, str(e), "no_worker")
+    if isinstance(e, redis.exceptions.NoPermissionError):  # set-up, not an outage: say so
+        logging.getLogger("pagedq.gateway").error("redis_permission_denied error=%s", e)
+        return APIError(500, "the gateway's Redis user may not serve this request (its ACL: "
+                        "docs/security.md, \"The gateway\")", "permission_denied")
     if isinstance(e, redis.RedisError):  # the clients retried for PAGEDQ_CLIENT_RETRY_S
         return APIError(503, "the queue (Redis) is unavailable; retry later", "unavailable",
                         retry_after=5)

@@ -19,13 +19,12 @@ a re-sent request with a ``job_id`` idempotent.
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
-from producer.keys import JOB_ID_RE
+from producer.keys import JOB_ID_RE, new_job_id
 from producer.openai_api import body_problem
 from producer.schema import JobRequest, describe
 from producer.scripts import queued_tokens_of
@@ -80,8 +79,9 @@ def parse_event_id(value: str) -> tuple[str, int, int]:
 
 
 def generation(kind: str, body: dict[str, Any], default_model: str,
-               headers: dict[str, str]) -> Generation:
-    """The request of a body (``headers``: lower-case names); APIError 400 if invalid."""
+               headers: dict[str, str], partitions: int = 1) -> Generation:
+    """The request of a body (``headers``: lower-case names); APIError 400 if invalid. A
+    new job id names one of ``partitions`` (producer/keys.py new_job_id)."""
     data = {k: v for k, v in body.items() if v is not None}  # OpenAI clients send nulls
     model = data.pop("model", default_model)
     stream = data.pop("stream", False)
@@ -122,7 +122,7 @@ def generation(kind: str, body: dict[str, Any], default_model: str,
         if not stream:
             raise bad_request("Last-Event-ID resumes a stream: send stream: true",
                               "Last-Event-ID")
-    data.update(id=job_id or uuid.uuid4().hex, model=model)
+    data.update(id=job_id or new_job_id(partitions), model=model)
     try:
         req = JobRequest.model_validate(data)
     except ValidationError as e:

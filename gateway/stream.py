@@ -111,7 +111,7 @@ async def offsets_before(client: AsyncClient, job_id: str, k: int, n: int) -> li
     offsets = [0] * n
     if k <= 0:
         return offsets
-    for _, f in await client.redis.xrange(client.keys.out(job_id), "0-1", f"0-{k}"):
+    for _, f in await client.redis.xrange(client.keys_of(job_id).out(job_id), "0-1", f"0-{k}"):
         c = int(f.get("c") or 0)
         if f.get("t") == "token" and f.get("lp") and c < n:
             offsets[c] += sum(len(t["token"]) for t in json.loads(f["lp"]))

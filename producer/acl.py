@@ -4,9 +4,9 @@ may touch, and the ACL file (``pagedq acl``, producer/acl_cli.py; docs/security.
 Where each part comes from, so that none can drift from the code it describes:
 * key and channel patterns: producer/keys.py (``Keys`` of each tenant prefix, with ``*``
   for the variable parts);
-* the commands the Lua scripts run: parsed from the scripts' text (producer/lua), per role
-  from the scripts that role runs: a script that starts using a new command gives its role
-  that command too;
+* the commands the Lua scripts run: parsed from the scripts' text (producer/lua, and the
+  gateway's in gateway/apikeys.py), per role from the scripts that role runs: a script
+  that starts using a new command gives its role that command too;
 * the commands the Python code sends itself: the lists below, next to the code they serve.
 
 A tenant is one key prefix (``Settings.prefix``): every pattern of a tenant's users starts
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from . import lua
 from .keys import Keys
 
-ROLES = ("producer", "reader", "batch", "worker", "admin")
-TENANT_ROLES = ("producer", "reader", "batch")  # one user per tenant; worker, admin: one each
+ROLES = ("producer", "reader", "batch", "worker", "gateway", "admin")
+TENANT_ROLES = ("producer", "reader", "batch")  # one user per tenant; the others: one each
 
 # Every role but admin. The connection handshake and keep-alive (AUTH, HELLO, PING, SELECT,
 # CLIENT SETNAME/INFO, ...), without client-side caching: CLIENT TRACKING BCAST would tell
@@ -55,6 +55,13 @@ BATCH_RULES = ("+@read", "+@write", "+@transaction", "+subscribe", "+unsubscribe
                "+time", "-scan", "-randomkey", "-function")
 RQ_PATTERN = "rq:*"  # rq's keys and its pub/sub channels (rq:pubsub:<worker>)
 
+# gateway/*.py outside the scripts and the clients it drives: the uploaded files' records
+# (HSET + ZADD in MULTI, HGETALL, ZREVRANGE, DEL + ZREM), a batch's OpenAI fields (HSET,
+# HMGET), the 404/503 probe of a model (EXISTS on its serving set), logprobs and resumed
+# streams (XRANGE on a job's events). Its own scripts (gateway/apikeys.py) are parsed.
+GATEWAY_COMMANDS = ("xrange", "exists", "hset", "hmget", "hgetall", "zadd", "zrevrange",
+                    "zrem", "del", "multi", "exec", "discard")
+
 PRODUCER_SCRIPTS = ("submit", "cancel", "served")
 WORKER_SCRIPTS = ("start", "publish", "finish", "reject", "refresh", "expire_unserved")
 
@@ -79,6 +86,14 @@ def commands_of_scripts(names: tuple[str, ...]) -> tuple[str, ...]:
     for name in names:
         found |= script_commands(lua.source(name))
     return tuple(sorted(found))
+
+
+@functools.cache
+def gateway_script_commands() -> tuple[str, ...]:
+    """The commands of the gateway's scripts (admission and settling, gateway/apikeys.py:
+    stdlib and producer.keys only, no web framework)."""
+    from gateway.apikeys import ADMIT_LUA, SETTLE_LUA
+    return tuple(sorted(script_commands(ADMIT_LUA) | script_commands(SETTLE_LUA)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +137,24 @@ def tenant_key_rules(k: Keys) -> list[KeyRule]:
     ]
 
 
-def key_patterns(role: str, tenants: list[Keys]) -> list[str]:
-    """The root ``~``/``%R~``/``%W~`` rules of ``role`` over ``tenants``."""
+def gateway_home_patterns(home: Keys) -> list[str]:
+    """The gateway's own prefix (its ``--prefix``): the API keys read only (``pagedq
+    gateway key add/revoke`` run as admin), the rate windows read and written (ADMIT,
+    SETTLE)."""
+    return [f"%R~{home.apikeys}", f"~{home.ratelimit('*', '*')}"]
+
+
+def key_patterns(role: str, tenants: list[Keys], home: Keys | None = None) -> list[str]:
+    """The root ``~``/``%R~``/``%W~`` rules of ``role`` over ``tenants`` (``home``: the
+    gateway's own prefix)."""
     if role == "admin":
         return ["~*"]
     if role == "worker":
         return [f"~{k.base}:*" for k in tenants]
+    if role == "gateway":  # the batch role's (it serves /v1/batches), the uploads' records
+        rules = key_patterns("batch", tenants)
+        rules += [f"~{p}" for k in tenants for p in (k.file("*"), k.files)]
+        return rules + (gateway_home_patterns(home) if home else [])
     rules = [f"{_ACCESS[r.access[role]]}{r.pattern}" for k in tenants
              for r in tenant_key_rules(k) if r.access.get(role)]
     if role == "batch":
@@ -140,13 +167,17 @@ def key_patterns(role: str, tenants: list[Keys]) -> list[str]:
 SELECTOR_COMMANDS = ("xadd", "xgroup|create")
 
 
-def script_selector(role: str, tenants: list[Keys]) -> list[str]:
+def script_selector(role: str, tenants: list[Keys], home: Keys | None = None) -> list[str]:
     """Redis checks the KEYS of EVAL/EVALSHA for read AND write access, and then each
     command a script runs on its own. A Redis 7 selector (a command is allowed when the
     root rules or one selector allow it with all its keys) gives the script calls every
     key their KEYS name, with no other command than running scripts and SELECTOR_COMMANDS;
     so a key can be a script's KEYS while the root rules keep it write-only or out of
-    reach (the jobs streams: no XRANGE, no DEL)."""
+    reach (the jobs streams: no XRANGE, no DEL). The gateway runs the batch role's
+    scripts, and ADMIT on its read-only API keys hash (a selector of its own: no XADD)."""
+    if role == "gateway":
+        own = [f"(~{home.apikeys} +evalsha +eval)"] if home else []
+        return script_selector("batch", tenants) + own
     keys = [f"~{r.pattern}" for k in tenants for r in tenant_key_rules(k)
             if role in r.scripted]
     if not keys:
@@ -159,7 +190,7 @@ def channel_patterns(role: str, tenants: list[Keys]) -> list[str]:
     if role == "admin":
         return ["&*"]
     chans = [f"&{k.chan('*')}" for k in tenants]
-    return chans + ([f"&{RQ_PATTERN}"] if role == "batch" else [])
+    return chans + ([f"&{RQ_PATTERN}"] if role in ("batch", "gateway") else [])
 
 
 def command_rules(role: str) -> list[str]:
@@ -172,10 +203,30 @@ def command_rules(role: str) -> list[str]:
         cmds = (*SCRIPTING, *READS, *commands_of_scripts(PRODUCER_SCRIPTS))
     elif role == "worker":
         cmds = (*SCRIPTING, *WORKER_COMMANDS, *commands_of_scripts(WORKER_SCRIPTS))
+    elif role == "gateway":
+        cmds = (*SCRIPTING, *READS, *commands_of_scripts(PRODUCER_SCRIPTS), *GATEWAY_COMMANDS,
+                *gateway_script_commands())
     else:
         raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
     rules = ["-@all", *CONNECTION, *(f"+{c}" for c in dict.fromkeys(cmds))]
-    return rules + (list(BATCH_RULES) if role == "batch" else []) + ["-@dangerous"]
+    batch = role in ("batch", "gateway")  # the gateway enqueues batches' rq jobs
+    return rules + (list(BATCH_RULES) if batch else []) + ["-@dangerous"]
+
+
+def with_partitions(rules: list[str], prefixes: tuple[str, ...]) -> list[str]:
+    """``rules`` (key or channel patterns, or a selector ``(...)``), each one that names a
+    tenant's partition 0 ``{p}`` followed by the same for its other partitions, ``{p:p*}``
+    (producer/keys.py): ``:`` is not in the prefix alphabet, so ``{p:p*`` matches no other
+    tenant's keys (``{a:p*}`` never matches ``{ab}``, ``{ab:p1}`` or ``{a.p1}``)."""
+    out: list[str] = []
+    for rule in rules:
+        if rule.startswith("(") and rule.endswith(")"):
+            out.append("(" + " ".join(with_partitions(rule[1:-1].split(), prefixes)) + ")")
+            continue
+        out.append(rule)
+        out += [rule.replace("{" + p + "}", "{" + p + ":p*}") for p in prefixes
+                if "{" + p + "}" in rule]
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,32 +234,48 @@ class User:
     name: str
     role: str
     tenants: tuple[str, ...]  # prefixes; every prefix for admin
+    home: str | None = None  # the gateway's own prefix (API keys, rate windows)
+    partitioned: bool = False  # PAGEDQ_PARTITIONS > 1: every partition of each tenant
 
     def rules(self, password_sha256: str) -> str:
         """The user's ACL file line. ``resetkeys``/``resetchannels`` first, so the line
         states every right the user has, whatever the server's defaults."""
         ks = [Keys(p) for p in self.tenants]
+        home = Keys(self.home) if self.home else None
+        keys = [*key_patterns(self.role, ks, home), *channel_patterns(self.role, ks)]
+        selector = script_selector(self.role, ks, home)
+        if self.partitioned:
+            keys, selector = (with_partitions(keys, self.tenants),
+                              with_partitions(selector, self.tenants))
         parts = ["user", self.name, "on", f"#{password_sha256}", "resetkeys", "resetchannels",
-                 *key_patterns(self.role, ks), *channel_patterns(self.role, ks),
-                 *command_rules(self.role), *script_selector(self.role, ks)]
+                 *keys, *command_rules(self.role), *selector]
         return " ".join(parts)
 
 
 def users(tenants: list[str], worker_prefixes: list[str] | None = None,
-          roles: tuple[str, ...] = ROLES) -> list[User]:
+          roles: tuple[str, ...] = ROLES, gateway_prefixes: list[str] | None = None,
+          gateway_home: str | None = None, partitions: int = 1) -> list[User]:
     """One producer, reader and batch user per tenant (``<role>-<prefix>``), one ``worker``
-    user serving ``worker_prefixes`` (default: every tenant), one ``admin``."""
-    for p in [*tenants, *(worker_prefixes or [])]:
+    user serving ``worker_prefixes`` (default: every tenant), one ``gateway`` serving
+    ``gateway_prefixes`` (default: every tenant) with its API keys under ``gateway_home``
+    (its --prefix; default: the first tenant), one ``admin``. ``partitions`` > 1: the
+    patterns cover every partition of each tenant (``with_partitions``)."""
+    gateway_home = gateway_home or tenants[0]
+    for p in [*tenants, *(worker_prefixes or []), *(gateway_prefixes or []), gateway_home]:
         Keys(p)  # ValueError on a prefix outside the key alphabet
     if len(set(tenants)) != len(tenants):
         raise ValueError(f"a tenant is named twice: {','.join(tenants)}")
     bad = [r for r in roles if r not in ROLES]
     if bad:
         raise ValueError(f"unknown role {bad[0]!r}: use {', '.join(ROLES)}")
-    out = [User(f"{role}-{p}", role, (p,)) for role in TENANT_ROLES if role in roles
-           for p in tenants]
+    many = partitions > 1
+    out = [User(f"{role}-{p}", role, (p,), partitioned=many) for role in TENANT_ROLES
+           if role in roles for p in tenants]
     if "worker" in roles:
-        out.append(User("worker", "worker", tuple(worker_prefixes or tenants)))
+        out.append(User("worker", "worker", tuple(worker_prefixes or tenants), partitioned=many))
+    if "gateway" in roles:
+        out.append(User("gateway", "gateway", tuple(gateway_prefixes or tenants), gateway_home,
+                        partitioned=many))
     if "admin" in roles:
         out.append(User("admin", "admin", tuple(tenants)))
     return out

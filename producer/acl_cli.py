@@ -99,7 +99,10 @@ def _write_file(path: Path, text: str) -> None:
 def cmd_acl(args: argparse.Namespace) -> int:
     tenants = _csv(args.tenant) or [getattr(args, "prefix", None) or Settings().prefix]
     user_list = acl.users(tenants, _csv(args.worker_prefixes) or None,
-                          tuple(_csv([args.roles])))
+                          tuple(_csv([args.roles])), _csv(args.gateway_prefixes) or None,
+                          args.gateway_admin_prefix or getattr(args, "prefix", None)
+                          or Settings().prefix,
+                          args.partitions if args.partitions else Settings().partitions)
     secrets_dir = Path(args.secrets_dir).expanduser() if args.secrets_dir else None
     if secrets_dir is not None:
         secrets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -131,14 +134,24 @@ def register(subparsers: argparse._SubParsersAction,
         "acl", parents=list(parents), formatter_class=argparse.RawDescriptionHelpFormatter,
         help="print a Redis 7 ACL file: least-privilege users per role and tenant",
         description="Print a Redis >= 7.0 ACL file (load it with redis-server --aclfile "
-                    "FILE): users producer-<tenant>, reader-<tenant>, batch-<tenant>, worker "
-                    "and admin, each allowed only what its role needs (docs/security.md).",
+                    "FILE): users producer-<tenant>, reader-<tenant>, batch-<tenant>, "
+                    "worker, gateway and admin, each allowed only what its role needs "
+                    "(docs/security.md).",
         epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--tenant", action="append", metavar="PREFIX",
                    help="a tenant's key prefix; repeat or comma-separate for more "
                         "(default: --prefix, $PAGEDQ_PREFIX or pagedq)")
     p.add_argument("--worker-prefixes", action="append", metavar="A,B",
                    help="the prefixes the worker user may serve (default: every --tenant)")
+    p.add_argument("--gateway-prefixes", action="append", metavar="A,B",
+                   help="the tenants the gateway user may serve, those its API keys map to "
+                        "(default: every --tenant)")
+    p.add_argument("--gateway-admin-prefix", metavar="PREFIX",
+                   help="the gateway's own --prefix, where its API keys and rate-limit "
+                        "windows live (default: --prefix, $PAGEDQ_PREFIX or pagedq)")
+    p.add_argument("--partitions", type=int, metavar="N",
+                   help="the deployment's partitions: above 1 the patterns cover every "
+                        "partition {P:p<k>} of each tenant (default: $PAGEDQ_PARTITIONS or 1)")
     p.add_argument("--roles", default=",".join(acl.ROLES), metavar="R,...",
                    help="the roles to write users for (default: %(default)s)")
     p.add_argument("--secrets-dir", metavar="DIR",

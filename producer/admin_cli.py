@@ -54,6 +54,7 @@ class _Admin:
         self.settings = Settings()
         self.url = getattr(args, "redis_url", None) or self.settings.redis_url
         self.keys = Keys(getattr(args, "prefix", None) or self.settings.prefix)
+        self.spaces = self.keys.spaces(self.settings.partitions)  # every partition's keys
         self.r = dlq.admin_redis(self.settings, self.url)
 
     def __enter__(self) -> _Admin:
@@ -67,7 +68,7 @@ class _Admin:
         if lane is not None:
             check_lane(lane)
         return [(m, ln) for m, lanes in model_lanes(self.r, self.keys, self.settings.lanes,
-                                                    model).items()
+                                                    model, self.settings.partitions).items()
                 for ln in lanes if lane in (None, ln)]
 
 
@@ -100,7 +101,8 @@ def _inspect(args: argparse.Namespace) -> int:
 def _show(a: _Admin, args: argparse.Namespace) -> int:
     tty = sys.stdout.isatty()
     while True:
-        snap = snapshot(a.r, a.keys, a.settings.lanes, args.model, args.count)
+        snap = snapshot(a.r, a.keys, a.settings.lanes, args.model, args.count,
+                        a.settings.partitions)
         if args.json:
             text = json.dumps(snap, indent=None if args.watch else 2)
         else:
@@ -122,9 +124,10 @@ def cmd_dlq_list(args: argparse.Namespace) -> int:
 
 def _list(a: _Admin, args: argparse.Namespace) -> int:
     now = dlq.redis_now(a.r)
-    entries = [e.to_json(now, body=args.json)
-               for m, lane in a.streams(args.model, args.lane)
-               for e in dlq.read(a.r, a.keys, m, lane, args.count or None)]
+    found = [e for m, lane in a.streams(args.model, args.lane)
+             for e in _newest(dlq.read(a.r, k, m, lane, args.count or None) for k in a.spaces)
+             [:args.count or None]]
+    entries = [e.to_json(now, body=args.json) for e in found]
     if args.json:
         print(json.dumps(entries, indent=2))
     elif entries:
@@ -134,6 +137,12 @@ def _list(a: _Admin, args: argparse.Namespace) -> int:
     else:
         print("no dead letters")
     return EXIT_OK
+
+
+def _newest(per_partition: Iterable[list[dlq.DeadEntry]]) -> list[dlq.DeadEntry]:
+    """One stream's entries of every partition, newest first (entry ids are times)."""
+    entries = [e for part in per_partition for e in part]
+    return sorted(entries, key=lambda e: tuple(map(int, e.id.split("-"))), reverse=True)
 
 
 def cmd_dlq_requeue(args: argparse.Namespace) -> int:
@@ -149,10 +158,11 @@ def _requeue(a: _Admin, args: argparse.Namespace) -> int:
     streams = a.streams(args.model, args.lane)
     targets: list[Callable[[], dlq.DeadEntry]]  # looked up one at a time, as they are done
     if args.all:
-        found = [e for m, lane in streams for e in dlq.read(a.r, a.keys, m, lane)]
+        found = [e for m, lane in streams
+                 for e in _newest(dlq.read(a.r, k, m, lane) for k in a.spaces)]
         targets = [lambda e=e: e for e in reversed(found)]  # oldest first
     else:
-        targets = [lambda i=i: dlq.find(a.r, a.keys, streams, i) for i in args.ids]
+        targets = [lambda i=i: dlq.find(a.r, a.spaces, streams, i) for i in args.ids]
     code = EXIT_OK
     with Client(a.url, prefix=a.keys.prefix, settings=a.settings) as client:
         for entry in targets:

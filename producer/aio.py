@@ -5,14 +5,21 @@ the I/O (awaiting the commands they ask for)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-import redis.asyncio as aredis
-
 from . import reader, scripts, submit_params
-from .connection import RedisUnusable, diagnose_tls, is_fatal, looks_cut_by_tls
-from .reader import RETRYABLE, Backoff
+from .connection import (
+    RETRYABLE,
+    RedisUnusable,
+    client_redis,
+    diagnose_tls,
+    is_fatal,
+    looks_cut_by_tls,
+)
+from .keys import Keys
+from .reader import Backoff
 from .schema import ChatMessage, Event, JobRecord, JobRequest
 from .settings import Settings
 
@@ -29,8 +36,12 @@ class AsyncClient:
         self.settings, self.keys, self.model, pool = reader.client_setup(
             redis_url, prefix, model, settings)
         self._url = pool["url"]
-        self.redis = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(**pool))
+        self.redis = client_redis(self.settings, pool, asyncio=True)
         self._scripts = scripts.register(self.redis)
+
+    def keys_of(self, job_id: str) -> Keys:
+        """The keys of the partition holding ``job_id`` (``self.keys``: partition 0)."""
+        return self.keys.of_job(scripts.checked_id(job_id), self.settings.partitions)
 
     async def _retry(self, call: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         """``await call(*args, **kwargs)``, repeated on connection-level failures; the
@@ -89,12 +100,14 @@ class AsyncClient:
         min_tokens, logprobs, n, priority, lane, timeout_s, metadata, job_id,
         require_worker; **openai: max_completion_tokens, top_logprobs, user."""
         req = scripts.build_request(prompt, messages, model or self.model, job_id,
-                                    submit_params.explicit(locals()), openai)
+                                    submit_params.explicit(locals()), openai,
+                                    self.settings.partitions)
         return await self._submit(req, require_worker)
 
     async def submit_request(self, req: JobRequest | dict[str, Any],
                        require_worker: bool = False) -> str:
-        return await self._submit(scripts.with_id(req, self.model), require_worker)
+        return await self._submit(scripts.with_id(req, self.model, self.settings.partitions),
+                                  require_worker)
 
     async def _submit(self, req: JobRequest, require_worker: bool = False) -> str:
         keys, args = scripts.submit_call(self.keys, req, self.settings, require_worker)
@@ -103,14 +116,23 @@ class AsyncClient:
 
     async def submit_many(self, reqs: list[JobRequest | dict[str, Any]]) -> list[str]:
         """See Client.submit_many."""
-        reqs = [scripts.with_id(r, self.model) for r in reqs]
+        reqs = [scripts.with_id(r, self.model, self.settings.partitions) for r in reqs]
         calls = [scripts.submit_call(self.keys, req, self.settings) for req in reqs]
+        script = self._scripts.submit
 
-        async def send() -> list[Any]:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for keys, args in calls:
-                    await self._scripts.submit(keys, args, client=pipe)
-                return await pipe.execute(raise_on_error=False)
+        async def send() -> list[Any]:  # scripts.pipelined, awaited
+            for _ in range(2):
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for keys, args in calls:
+                        queued = scripts.queue_script(pipe, script, keys, args)
+                        if inspect.isawaitable(queued):
+                            await queued
+                    replies = await pipe.execute(raise_on_error=False)
+                if not scripts.noscript(replies):
+                    break
+                await self.redis.script_load(script.script)
+            scripts.raise_retryable(replies)
+            return replies
         return scripts.collect_replies(reqs, await self._retry(send))
 
     async def served_models(self) -> dict[str, int]:
@@ -121,15 +143,16 @@ class AsyncClient:
 
     # -- read
     async def status(self, job_id: str) -> JobRecord:
-        return await self._call(reader.read_status(self.keys, job_id))
+        return await self._call(reader.read_status(self.keys_of(job_id), job_id))
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobRecord:
-        return await self._call(reader.wait_result(self.keys, job_id, timeout))
+        return await self._call(reader.wait_result(self.keys_of(job_id), job_id, timeout))
 
     async def stream(self, job_id: str, from_index: int = 0,
                      timeout: float | None = None) -> AsyncIterator[Event]:
         """``async for ev in client.stream(id)``; see Client.stream."""
-        async for ev in self._drive(reader.read_stream(self.keys, job_id, from_index, timeout)):
+        proto = reader.read_stream(self.keys_of(job_id), job_id, from_index, timeout)
+        async for ev in self._drive(proto):
             yield ev
 
     async def stream_text(self, job_id: str, timeout: float | None = None) -> AsyncIterator[str]:
@@ -142,7 +165,8 @@ class AsyncClient:
         """Pub/sub mirror, at-most-once; see Client.subscribe."""
         ps = self.redis.pubsub(ignore_subscribe_messages=True)
         try:
-            async for ev in self._drive(reader.read_mirror(self.keys, job_id, timeout), ps):
+            async for ev in self._drive(reader.read_mirror(self.keys_of(job_id), job_id, timeout),
+                                        ps):
                 yield ev
         finally:
             await ps.aclose()

@@ -14,7 +14,9 @@ producer/connection.py). Each call is safe to repeat: SUBMIT is idempotent by jo
 request hash ('exists'), CANCEL is idempotent, the rest are reads; a cut XREAD is re-sent
 from the same cursor, so stream() neither loses nor repeats an event. The pools are built
 without redis-py's retry options, so their connections do not retry on their own
-(``Retry(NoBackoff(), 0)``): this is the only retry policy.
+(``Retry(NoBackoff(), 0)``): this is the only retry policy, but on a Redis Cluster, where
+redis-py's cluster client first retries a few times itself, reloading the slot map (a
+master failing over).
 """
 from __future__ import annotations
 
@@ -25,8 +27,16 @@ from typing import Any, TypeVar
 import redis
 
 from . import reader, scripts, submit_params
-from .connection import RedisUnusable, diagnose_tls, is_fatal, looks_cut_by_tls
-from .reader import RETRY_CAP_S, RETRY_FIRST_S, RETRYABLE, Backoff
+from .connection import (
+    RETRYABLE,
+    RedisUnusable,
+    client_redis,
+    diagnose_tls,
+    is_fatal,
+    looks_cut_by_tls,
+)
+from .keys import Keys
+from .reader import RETRY_CAP_S, RETRY_FIRST_S, Backoff
 from .schema import ChatMessage, Event, JobRecord, JobRequest
 from .settings import Settings
 
@@ -47,8 +57,12 @@ class Client:
         self.settings, self.keys, self.model, pool = reader.client_setup(
             redis_url, prefix, model, settings)
         self._url = pool["url"]
-        self.redis = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(**pool))
+        self.redis: redis.Redis = client_redis(self.settings, pool)
         self._scripts = scripts.register(self.redis)
+
+    def keys_of(self, job_id: str) -> Keys:
+        """The keys of the partition holding ``job_id`` (``self.keys``: partition 0)."""
+        return self.keys.of_job(scripts.checked_id(job_id), self.settings.partitions)
 
     def _retry(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``call(*args, **kwargs)``, repeated on connection-level failures (see Backoff);
@@ -138,12 +152,14 @@ class Client:
             and user (-> metadata["user"]); any other name is refused (InvalidRequest)
         """
         req = scripts.build_request(prompt, messages, model or self.model, job_id,
-                                    submit_params.explicit(locals()), openai)
+                                    submit_params.explicit(locals()), openai,
+                                    self.settings.partitions)
         return self._submit(req, require_worker)
 
     def submit_request(self, req: JobRequest | dict[str, Any],
                        require_worker: bool = False) -> str:
-        return self._submit(scripts.with_id(req, self.model), require_worker)
+        return self._submit(scripts.with_id(req, self.model, self.settings.partitions),
+                            require_worker)
 
     def _submit(self, req: JobRequest, require_worker: bool = False) -> str:
         keys, args = scripts.submit_call(self.keys, req, self.settings, require_worker)
@@ -154,15 +170,10 @@ class Client:
         enqueued), then submitted in one pipeline, each atomically but not all together.
         On JobConflict/Overloaded the others are still enqueued; the first error is raised
         with ``.job_ids`` (None where refused). Resubmitting with fixed ids is safe."""
-        reqs = [scripts.with_id(r, self.model) for r in reqs]
+        reqs = [scripts.with_id(r, self.model, self.settings.partitions) for r in reqs]
         calls = [scripts.submit_call(self.keys, req, self.settings) for req in reqs]
-
-        def send() -> list[Any]:
-            with self.redis.pipeline(transaction=False) as pipe:
-                for keys, args in calls:
-                    self._scripts.submit(keys, args, client=pipe)
-                return pipe.execute(raise_on_error=False)
-        return scripts.collect_replies(reqs, self._retry(send))
+        replies = self._retry(scripts.pipelined, self.redis, self._scripts.submit, calls)
+        return scripts.collect_replies(reqs, replies)
 
     def served_models(self) -> dict[str, int]:
         """Models with at least one live worker -> how many (from the workers'
@@ -172,18 +183,19 @@ class Client:
 
     # -- read
     def status(self, job_id: str) -> JobRecord:
-        return self._call(reader.read_status(self.keys, job_id))
+        return self._call(reader.read_status(self.keys_of(job_id), job_id))
 
     def result(self, job_id: str, timeout: float | None = None) -> JobRecord:
         """Wait until the job is terminal; wakes on every new event, never spins."""
-        return self._call(reader.wait_result(self.keys, job_id, timeout))
+        return self._call(reader.wait_result(self.keys_of(job_id), job_id, timeout))
 
     def stream(self, job_id: str, from_index: int = 0,
                timeout: float | None = None) -> Iterator[Event]:
         """Events from ``from_index`` in index order, each once, ending with the final
         event. ``timeout``: most seconds without a new event (ResultTimeout). Errors
         (JobNotFound, EventsTrimmed) are raised when iteration starts or reaches them."""
-        yield from self._drive(reader.read_stream(self.keys, job_id, from_index, timeout))
+        yield from self._drive(reader.read_stream(self.keys_of(job_id), job_id, from_index,
+                                                  timeout))
 
     def stream_text(self, job_id: str, timeout: float | None = None) -> Iterator[str]:
         """Text deltas from the start; they concatenate to the final text."""
@@ -195,7 +207,7 @@ class Client:
         connection redis-py resubscribes; what was published meanwhile is missed."""
         ps = self.redis.pubsub(ignore_subscribe_messages=True)
         try:
-            yield from self._drive(reader.read_mirror(self.keys, job_id, timeout), ps)
+            yield from self._drive(reader.read_mirror(self.keys_of(job_id), job_id, timeout), ps)
         finally:
             ps.close()
 

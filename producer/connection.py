@@ -23,6 +23,13 @@ Invariants:
   ``diagnose_tls`` (a handshake and a read of our own), so a missing client certificate
   is reported as such instead of being retried as an outage.
 
+Redis Cluster (``settings.redis_cluster``, docs/deployment.md "Redis Cluster"): the same
+factories return redis-py's cluster clients (``connect_cluster``, ``connect_async``,
+``client_redis``), with the same credentials and TLS, starting from the URL's node; they
+follow MOVED/ASK and, after a connection error or CLUSTERDOWN, reload the slot map and
+retry a few times on their own before our retry loops (``RETRYABLE``) take over. rq never
+gets one (``cluster=False``): it cannot use a cluster.
+
 No torch, no worker imports: the producer side owns this; the worker imports it.
 """
 from __future__ import annotations
@@ -63,6 +70,17 @@ _TLS_HINTS = {
     "WRONG_VERSION_NUMBER": "is that port speaking TLS? a plain Redis port needs redis://",
 }
 _QUERY_SECRET = re.compile(r"(?i)([?&](?:password|ssl_password)=)[^&#]*")
+
+
+# What a Redis restart looks like to a client: refused or cut connections, timeouts, and
+# LOADING replies while it loads its AOF (redis.BusyLoadingError is a ConnectionError);
+# on a Redis Cluster also a master failing over: CLUSTERDOWN / MASTERDOWN and TRYAGAIN
+# replies, or a slot no node serves yet (redis-py's cluster client retries these itself a
+# few times first, reloading the slot map). Every retry loop of the clients and the
+# worker takes these (wrong credentials and TLS errors excepted: ``is_fatal``).
+RETRYABLE: tuple[type[Exception], ...] = (
+    redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError, redis.exceptions.SlotNotCoveredError)
 
 
 class RedisSetupError(ValueError):
@@ -349,8 +367,94 @@ def check_offline(settings: Settings, url: str | None = None) -> None:
                               f"{' '.join(str(e).split())}") from None
 
 
-def connect(settings: Settings, url: str | None = None, **options: Any) -> redis.Redis:
-    """A synchronous ``redis.Redis`` for ``url`` (default: the settings') with the
-    settings' credentials and TLS; ``options``: more redis-py client options."""
+def connect(settings: Settings, url: str | None = None, *, cluster: bool | None = None,
+            **options: Any) -> redis.Redis:
+    """A synchronous client for ``url`` (default: the settings') with the settings'
+    credentials and TLS; ``options``: more redis-py client options. With
+    ``settings.redis_cluster`` (or ``cluster=True``) a ``redis.cluster.RedisCluster``
+    that starts from the URL's node (see ``connect_cluster``); ``cluster=False``: a plain
+    client whatever the settings (rq's queue, which cannot use a cluster)."""
     url = url or settings.redis_url
+    if settings.redis_cluster if cluster is None else cluster:
+        return connect_cluster(settings, url, **options)
     return redis.Redis.from_url(url, **redis_kwargs(settings, url), **options)
+
+
+# ---------------------------------------------------------------- Redis Cluster
+
+def _cluster_url(url: str) -> str:
+    """The URL less a ``/0`` database path (a cluster has database 0 only)."""
+    parts = urlsplit(url)
+    if parts.path not in ("", "/", "/0"):
+        raise RedisSetupError(f"--redis-url / PAGEDQ_REDIS_URL {redact_url(url)!r}: a Redis "
+                              f"Cluster has database 0 only (PAGEDQ_REDIS_CLUSTER is set)")
+    return parts._replace(path="").geturl()
+
+
+def connect_cluster(settings: Settings, url: str | None = None, **options: Any) -> Any:
+    """A ``redis.cluster.RedisCluster`` whose start-up node is the URL's: it reads the
+    slot map from it, talks to each slot's master, follows MOVED/ASK, and after a
+    connection error or CLUSTERDOWN (a master failing over) reloads the map and retries
+    (redis-py's own cluster retry). It connects here; a cluster it cannot reach is a
+    redis.ConnectionError (refused credentials: RedisUnusable)."""
+    from redis.cluster import RedisCluster
+    from redis.exceptions import RedisClusterException
+
+    url = url or settings.redis_url
+    try:
+        return RedisCluster.from_url(_cluster_url(url), **redis_kwargs(settings, url),
+                                     **options)
+    except RedisClusterException as e:
+        cause = e.__cause__ or e.__context__
+        if cause is not None and is_fatal(cause):
+            raise RedisUnusable(url, cause) from e
+        raise redis.ConnectionError(f"cannot reach the Redis Cluster at {redact_url(url)}: "
+                                    f"{' '.join(str(e).split())}") from e
+    except redis.RedisError as e:
+        if is_fatal(e):
+            raise RedisUnusable(url, e) from e
+        raise
+
+
+def connect_async(settings: Settings, url: str | None = None, **options: Any) -> Any:
+    """``connect``'s asyncio twin (a ``redis.asyncio`` client, or its cluster client with
+    ``settings.redis_cluster``); it connects on first use."""
+    url = url or settings.redis_url
+    if settings.redis_cluster:
+        from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+        return AsyncRedisCluster.from_url(_cluster_url(url), **redis_kwargs(settings, url),
+                                          **options)
+    import redis.asyncio as aredis
+
+    return aredis.Redis.from_url(url, **redis_kwargs(settings, url), **options)
+
+
+def client_redis(settings: Settings, pool: dict[str, Any], asyncio: bool = False) -> Any:
+    """The producer clients' connection (producer/reader.py ``client_setup`` builds
+    ``pool``): a client on a BlockingConnectionPool, or with ``settings.redis_cluster`` a
+    cluster client with the same options (at most ``max_connections`` per node; it connects
+    on first use when asyncio)."""
+    if settings.redis_cluster:
+        opts = {k: v for k, v in pool.items() if k not in ("url", "timeout")}
+        if asyncio:
+            from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+            return AsyncRedisCluster.from_url(_cluster_url(pool["url"]), **opts)
+        return connect_cluster(settings, pool["url"], **{k: v for k, v in opts.items()
+                                                         if k not in redis_kwargs(
+                                                             settings, pool["url"])})
+    if asyncio:
+        import redis.asyncio as aredis
+
+        return aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(**pool))
+    return redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(**pool))
+
+
+def is_cluster(r: Any) -> bool:
+    """Is ``r`` a cluster client (sync or asyncio)? Its commands must each name keys of one
+    slot, and a pipeline of it is split per node (no MULTI across partitions)."""
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.cluster import RedisCluster
+
+    return isinstance(r, RedisCluster | AsyncRedisCluster)

@@ -99,12 +99,15 @@ class DeadEntry:
     deliveries: int | None
     at: float | None
     entry: str  # its id in the jobs stream it came from
+    partition: int = 0  # the key space of its DLQ stream (producer/keys.py)
 
     @classmethod
-    def of(cls, model: str, lane: str, eid: str, f: dict[str, str]) -> DeadEntry:
+    def of(cls, model: str, lane: str, eid: str, f: dict[str, str],
+           partition: int = 0) -> DeadEntry:
         d = _float(f.get("deliveries"))
         return cls(model, lane, eid, f.get("job", ""), f.get("reason", ""), f.get("body", ""),
-                   None if d is None else int(d), _float(f.get("at")), f.get("entry", ""))
+                   None if d is None else int(d), _float(f.get("at")), f.get("entry", ""),
+                   partition)
 
     def problem(self) -> NotRequeueable | None:
         try:
@@ -120,6 +123,8 @@ class DeadEntry:
                "age_s": None if self.at is None else round(now - self.at, 3),
                "entry": self.entry, "requeueable": p is None,
                "problem": None if p is None else p.code}
+        if self.partition:  # (absent: partition 0, the only one of most deployments)
+            out["partition"] = self.partition
         if body:
             out["body"] = clean(self.body)
         return out
@@ -127,8 +132,8 @@ class DeadEntry:
 
 def read(r: redis.Redis, keys: Keys, model: str, lane: str,
          count: int | None = None) -> list[DeadEntry]:
-    """Newest first; ``count``: at most that many."""
-    return [DeadEntry.of(model, lane, eid, f)
+    """Newest first; ``count``: at most that many (of ``keys``' partition)."""
+    return [DeadEntry.of(model, lane, eid, f, keys.partition)
             for eid, f in r.xrevrange(keys.dlq(model, lane), count=count)]
 
 
@@ -137,18 +142,21 @@ def _all(r: redis.Redis, keys: Keys, model: str, lane: str) -> Iterator[DeadEntr
     start = "-"
     while page := r.xrange(keys.dlq(model, lane), start, "+", count=1000):
         for eid, f in page:
-            yield DeadEntry.of(model, lane, eid, f)
+            yield DeadEntry.of(model, lane, eid, f, keys.partition)
         start = "(" + page[-1][0]
 
 
-def find(r: redis.Redis, keys: Keys, streams: list[tuple[str, str]], ident: str) -> DeadEntry:
-    """The one entry ``ident`` names among the DLQ streams ``streams`` ((model, lane)):
-    read as a DLQ entry id when it has that form (``<ms>-<seq>``, as ``dlq list``
-    prints) and such an entry exists, else as a job id. Several matches: InvalidRequest
-    (narrow with --model/--lane, or give the entry id)."""
+def find(r: redis.Redis, keys: Keys | tuple[Keys, ...], streams: list[tuple[str, str]],
+         ident: str) -> DeadEntry:
+    """The one entry ``ident`` names among the DLQ streams ``streams`` ((model, lane)) of
+    ``keys`` (a key space, or several: every partition): read as a DLQ entry id when it
+    has that form (``<ms>-<seq>``, as ``dlq list`` prints) and such an entry exists, else
+    as a job id. Several matches: InvalidRequest (narrow with --model/--lane, or give the
+    entry id)."""
+    spaces = (keys,) if isinstance(keys, Keys) else keys
     if ENTRY_ID_RE.match(ident):
-        hits = [DeadEntry.of(m, lane, eid, f) for m, lane in streams
-                for eid, f in r.xrange(keys.dlq(m, lane), ident, ident)]
+        hits = [DeadEntry.of(m, lane, eid, f, k.partition) for k in spaces for m, lane in streams
+                for eid, f in r.xrange(k.dlq(m, lane), ident, ident)]
         if len(hits) == 1:
             return hits[0]
         if len(hits) > 1:
@@ -157,7 +165,8 @@ def find(r: redis.Redis, keys: Keys, streams: list[tuple[str, str]], ident: str)
                                  "choose with --model/--lane")
     elif not JOB_ID_RE.match(ident):
         check_job_id(ident)  # ValueError: neither an entry id nor a job id
-    hits = [e for m, lane in streams for e in _all(r, keys, m, lane) if e.job == ident]
+    hits = [e for k in spaces for m, lane in streams for e in _all(r, k, m, lane)
+            if e.job == ident]
     if not hits:
         raise DeadEntryNotFound(f"no dead-letter entry with entry id or job id {ident}")
     if len(hits) > 1:
@@ -239,7 +248,8 @@ def requeue(client: Any, r: redis.Redis, keys: Keys, e: DeadEntry) -> str:
             client.submit_request({**req, "id": new_id})
         except JobConflict:  # that id belongs to another request: try the next one
             continue
-        r.xdel(keys.dlq(e.model, e.lane), e.id)  # 0 if a concurrent requeue got there first
+        # 0 if a concurrent requeue got there first
+        r.xdel(keys.part(e.partition).dlq(e.model, e.lane), e.id)
         return new_id
     raise NotRequeueable("ids_taken", f"job ids {e.job}.r<k> are taken by other requests "
                                       f"({ID_TRIES} tried)")

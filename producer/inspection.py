@@ -10,6 +10,10 @@ shows in ``beat_s``.
 Models are the members of ``{P}:models`` plus any model that has a jobs or DLQ stream
 (found by SCAN: an admin command may walk the keyspace; the hot paths never do). Lanes of
 a model are this deployment's ``settings.lanes`` plus any other lane with a stream.
+
+With several partitions every partition is read and a lane's figures are their sums (its
+oldest pending entries and newest dead letters: the oldest / newest of all partitions,
+each with its ``partition``); workers and serving sets are partition 0's.
 """
 from __future__ import annotations
 
@@ -42,13 +46,16 @@ def _scan_model_lanes(r: redis.Redis, pattern_base: str) -> Iterable[tuple[str, 
 
 
 def model_lanes(r: redis.Redis, keys: Keys, lanes: tuple[str, ...],
-                model: str | None = None) -> dict[str, list[str]]:
+                model: str | None = None, partitions: int = 1) -> dict[str, list[str]]:
     """Model -> its lanes (``lanes`` first, then any other lane that has a jobs or DLQ
-    stream, sorted). ``model``: only that one (ModelNotFound if it is nowhere)."""
-    found: dict[str, set[str]] = {m: set() for m in r.smembers(keys.models)}
-    for kind in ("jobs", "dlq"):
-        for m, lane in _scan_model_lanes(r, f"{keys.base}:{kind}:"):
-            found.setdefault(m, set()).add(lane)
+    stream, sorted) in any of ``partitions``. ``model``: only that one (ModelNotFound if
+    it is nowhere)."""
+    found: dict[str, set[str]] = {}
+    for k in keys.spaces(partitions):
+        found.update((m, found.get(m, set())) for m in r.smembers(k.models))
+        for kind in ("jobs", "dlq"):
+            for m, lane in _scan_model_lanes(r, f"{k.base}:{kind}:"):
+                found.setdefault(m, set()).add(lane)
     if model is not None:
         check_name("model", model)
         if model not in found:
@@ -75,10 +82,11 @@ def _lane_reads(pipe: Any, keys: Keys, model: str, lane: str, count: int) -> Non
     pipe.xrevrange(keys.dlq(model, lane), count=count)
 
 
-def _lane_view(model: str, lane: str, replies: list[Any], now: float) -> dict[str, Any]:
+def _lane_view(model: str, lane: str, replies: list[Any], now: float,
+               partition: int = 0) -> dict[str, Any]:
     qjobs, qtokens, length, summary, oldest, dlq_len, dlq = replies
     summary = _ok(summary, None) or {}
-    return {
+    view = {
         "lane": lane,
         "queued": int(_ok(qjobs, None) or 0),
         "queued_tokens": int(_ok(qtokens, None) or 0),
@@ -91,9 +99,32 @@ def _lane_view(model: str, lane: str, replies: list[Any], now: float) -> dict[st
                             "deliveries": int(p["times_delivered"])}
                            for p in _ok(oldest, [])],
         "dlq_length": int(_ok(dlq_len, 0)),
-        "dlq": [DeadEntry.of(model, lane, eid, f).to_json(now)
+        "dlq": [DeadEntry.of(model, lane, eid, f, partition).to_json(now)
                 for eid, f in _ok(dlq, [])],
     }
+    if partition:
+        for p in view["oldest_pending"]:
+            p["partition"] = partition
+    return view
+
+
+def _merged(views: list[dict[str, Any]], count: int) -> dict[str, Any]:
+    """One lane's views of every partition as one: sums; the ``count`` oldest pending
+    entries and newest dead letters of all."""
+    out = views[0]
+    if len(views) == 1:
+        return out
+    for v in views[1:]:
+        for name in ("queued", "queued_tokens", "stream_length", "pending", "dlq_length"):
+            out[name] += v[name]
+        for c, n in v["pending_by_consumer"].items():
+            out["pending_by_consumer"][c] = out["pending_by_consumer"].get(c, 0) + n
+        out["oldest_pending"] += v["oldest_pending"]
+        out["dlq"] += v["dlq"]
+    out["oldest_pending"] = sorted(out["oldest_pending"], key=lambda p: -p["idle_s"])[:count]
+    out["dlq"] = sorted(out["dlq"], key=lambda d: tuple(map(int, d["id"].split("-"))),
+                        reverse=True)[:count]
+    return out
 
 
 def _worker_view(wid: str, h: dict[str, str], last: float, serving: bool,
@@ -116,19 +147,22 @@ def _worker_view(wid: str, h: dict[str, str], last: float, serving: bool,
 
 
 def snapshot(r: redis.Redis, keys: Keys, lanes: tuple[str, ...], model: str | None = None,
-             count: int = 5) -> dict[str, Any]:
+             count: int = 5, partitions: int = 1) -> dict[str, Any]:
     """The deployment now (docs/protocol.md "Inspecting a deployment and dead letters"):
-    per model and lane the queue and the ``count`` oldest pending / newest dead entries,
-    and the workers.
+    per model and lane the queue and the ``count`` oldest pending / newest dead entries
+    (over ``partitions``), and the workers.
     ``model``: only that model and its workers."""
-    models = model_lanes(r, keys, lanes, model)
+    keys = keys.home
+    spaces = keys.spaces(partitions)
+    models = model_lanes(r, keys, lanes, model, partitions)
     now = redis_now(r)
     beats = dict(r.zrange(keys.workers, 0, -1, withscores=True))
     pipe = r.pipeline(transaction=False)
     for m, ls in models.items():
         pipe.zrange(keys.serving(m), 0, -1, withscores=True)
         for lane in ls:
-            _lane_reads(pipe, keys, m, lane, count)
+            for k in spaces:
+                _lane_reads(pipe, k, m, lane, count)
     for wid in beats:
         pipe.hgetall(keys.worker(wid))
     replies = pipe.execute(raise_on_error=False)
@@ -142,8 +176,11 @@ def snapshot(r: redis.Redis, keys: Keys, lanes: tuple[str, ...], model: str | No
         i += 1
         views = []
         for lane in ls:
-            views.append(_lane_view(m, lane, replies[i:i + 7], now))
-            i += 7
+            per = []
+            for k in spaces:
+                per.append(_lane_view(m, lane, replies[i:i + 7], now, k.partition))
+                i += 7
+            views.append(_merged(per, count))
         out_models.append({"model": m, "served_by": len(serving[m]), "lanes": views})
     workers, silent = [], []
     for wid, h in zip(beats, replies[i:], strict=True):
@@ -156,8 +193,11 @@ def snapshot(r: redis.Redis, keys: Keys, lanes: tuple[str, ...], model: str | No
         workers.append(_worker_view(wid, h, beats[wid], wid in serving.get(h.get("model"), ()),
                                     now))
     _fill_pending_jobs(r, keys, out_models)
-    return {"v": SNAPSHOT_VERSION, "prefix": keys.prefix, "at": now, "models": out_models,
+    snap = {"v": SNAPSHOT_VERSION, "prefix": keys.prefix, "at": now, "models": out_models,
             "workers": workers, "silent_workers": silent}
+    if partitions > 1:
+        snap["partitions"] = partitions
+    return snap
 
 
 def _fill_pending_jobs(r: redis.Redis, keys: Keys, models: list[dict[str, Any]]) -> None:
@@ -168,7 +208,8 @@ def _fill_pending_jobs(r: redis.Redis, keys: Keys, models: list[dict[str, Any]])
         return
     pipe = r.pipeline(transaction=False)
     for m, lane, p in rows:
-        pipe.xrange(keys.jobs(m, lane), p["entry"], p["entry"])
+        stream = keys.part(p.get("partition", 0)).jobs(m, lane)
+        pipe.xrange(stream, p["entry"], p["entry"])
     for (_m, _lane, p), got in zip(rows, pipe.execute(raise_on_error=False), strict=True):
         got = _ok(got, [])
         p["job"] = got[0][1].get("job", "") if got else ""  # gone: it ended meanwhile

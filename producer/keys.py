@@ -1,14 +1,23 @@
 """Every Redis key and name pagedq uses, built in one place.
 
-All keys of one deployment share the hash tag ``{prefix}`` so that the per-step Lua
-scripts (publish, finish, reclaim) may touch any job's keys on a Redis Cluster too:
-one prefix = one slot. To spread load over a cluster, give each model its own prefix.
-(The first design asked for one slot per *model*; job ids do not carry the model, so a
-client holding only a job id could not find its keys. See docs/design.md, docs/protocol.md.)
+A deployment's keys are split into ``PAGEDQ_PARTITIONS`` key spaces (partitions), each
+one Redis Cluster hash tag, so each is one slot and every script touches one slot:
+partition 0 is ``{prefix}`` (a deployment of one partition is exactly the original
+scheme), partition k > 0 is ``{prefix:pk}``. ``:`` is outside the prefix alphabet, so no
+prefix's partition can be spelled as another prefix (``{a:p1}`` is never tenant ``a:p1``)
+and the ACL pattern ``{a:p*}`` matches only tenant ``a``'s partitions. A partition holds
+its jobs streams, counters, job records, event logs, cancel set, DLQ and its own copy of
+the serving sets and models set (so SUBMIT's require_worker check and the unserved sweep
+stay inside one slot); the workers registry, worker hashes and the batches index live in
+partition 0. A job's partition is a function of its id alone (``partition_of``): a client
+holding only the id finds its keys (docs/protocol.md "Partitions").
 """
 from __future__ import annotations
 
+import itertools
 import re
+import uuid
+import zlib
 from dataclasses import dataclass
 
 GROUP = "workers"  # the consumer group on every jobs stream
@@ -40,16 +49,82 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
+MAX_PARTITIONS = 1024
+_PARTITION_PART = re.compile(r"^p(0|[1-9][0-9]{0,3})$")
+
+
+def partition_of(job_id: str, partitions: int) -> int:
+    """The partition holding job ``job_id`` among ``partitions`` (docs/protocol.md
+    "Partitions"): 0 when there is one; else, if a ``.``-separated part of the id after
+    its first reads ``p<k>`` (k decimal, no leading zero), the first such part names it
+    when k < partitions; otherwise CRC-32 (IEEE, as zlib's) of the id's bytes modulo
+    ``partitions``. Generated ids end in ``.p<k>`` (``new_job_id``), so they name their
+    partition; a caller-chosen id is hashed. Also a batch's partition, by its id, and so
+    its jobs' (``<batch id>.<line>``)."""
+    if partitions <= 1:
+        return 0
+    for part in job_id.split(".")[1:]:
+        m = _PARTITION_PART.match(part)
+        if m:
+            k = int(m[1])
+            if k < partitions:
+                return k
+            break
+    return zlib.crc32(job_id.encode()) % partitions
+
+
+# the partition of the next generated id, round robin from a random start per process
+# (itertools.count's next() is atomic under the GIL: threads share it safely)
+_NEXT_PARTITION = itertools.count(uuid.uuid4().int % MAX_PARTITIONS)
+
+
+def new_job_id(partitions: int, partition: int | None = None, stem: str = "") -> str:
+    """A new unique id (``stem`` + uuid4 hex): as it always was for one partition; with
+    more, ``.p<k>`` appended for ``partition`` (default: the next one, round robin over
+    every id this process makes), so producers spread new jobs evenly and the id names
+    where it lives."""
+    base = stem + uuid.uuid4().hex
+    if partitions <= 1:
+        return base
+    k = next(_NEXT_PARTITION) % partitions if partition is None else partition
+    return f"{base}.p{k}"
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
+    """The key names of one key space: a tenant ``prefix`` and one of its partitions."""
+
     prefix: str = "pagedq"
+    partition: int = 0
 
     def __post_init__(self) -> None:
         check_name("prefix", self.prefix)
+        if not isinstance(self.partition, int) or not 0 <= self.partition < MAX_PARTITIONS:
+            raise ValueError(f"invalid partition {self.partition!r}: 0..{MAX_PARTITIONS - 1}")
 
     @property
     def base(self) -> str:
-        return "{" + self.prefix + "}"
+        """The hash tag: ``{prefix}`` for partition 0, ``{prefix:p<k>}`` for k > 0."""
+        if self.partition == 0:
+            return "{" + self.prefix + "}"
+        return "{" + self.prefix + ":p" + str(self.partition) + "}"
+
+    def part(self, partition: int) -> Keys:
+        """The same tenant's keys of another partition."""
+        return self if partition == self.partition else Keys(self.prefix, partition)
+
+    @property
+    def home(self) -> Keys:
+        """Partition 0: the workers registry, worker hashes, the batches index."""
+        return self.part(0)
+
+    def of_job(self, job_id: str, partitions: int) -> Keys:
+        """The keys of the partition holding ``job_id`` (or batch ``job_id``)."""
+        return self.part(partition_of(job_id, partitions))
+
+    def spaces(self, partitions: int) -> tuple[Keys, ...]:
+        """Every partition's keys, 0 first."""
+        return tuple(self.part(k) for k in range(partitions))
 
     def jobs(self, model: str, lane: str = DEFAULT_LANE) -> str:
         """The jobs stream of one lane of a model."""
@@ -120,6 +195,28 @@ class Keys:
     def batches(self) -> str:
         """Sorted set of batch ids scored by creation time."""
         return f"{self.base}:batches"
+
+    # -- the HTTP gateway's (gateway/): API keys and rate windows live under the gateway's
+    # own prefix, uploaded files' records under each tenant's
+
+    @property
+    def apikeys(self) -> str:
+        """Hash: API key SHA-256 -> its record (JSON)."""
+        return f"{self.base}:apikeys"
+
+    def ratelimit(self, key_hash: str, minute: int | str) -> str:
+        """Hash of one key's one-minute window (``r`` requests, ``t`` tokens); gateway/
+        apikeys.py's ADMIT script builds the same name from the base."""
+        return f"{self.base}:ratelimit:{key_hash}:{minute}"
+
+    def file(self, file_id: str) -> str:
+        """Hash: an uploaded batch input file's record (its bytes are in the batch folder)."""
+        return f"{self.base}:file:{file_id}"
+
+    @property
+    def files(self) -> str:
+        """Sorted set of uploaded file ids scored by upload time."""
+        return f"{self.base}:files"
 
 
 def out_entry_id(index: int) -> str:

@@ -37,8 +37,6 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-
 from .connection import redis_kwargs
 from .errors import EventsTrimmed, JobNotFound, ResultTimeout
 from .keys import Keys, check_name, index_of_entry_id
@@ -51,11 +49,9 @@ POLL_S = 5.0  # longest single blocking read; the job hash is re-checked in betw
 SOCKET_TIMEOUT_S = POLL_S + 10.0
 READ_COUNT = 1000  # out-stream entries per XREAD
 
-# What a Redis restart looks like to a client: refused or cut connections, timeouts, and
-# LOADING replies while it loads its AOF (redis.BusyLoadingError is a ConnectionError).
-# Not retried although ConnectionErrors: wrong credentials and TLS certificate errors
-# (producer/connection.py ``is_fatal``); the shells raise them as RedisUnusable.
-RETRYABLE: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
+# What the clients retry: producer/connection.py ``RETRYABLE`` (a Redis restart, a cluster
+# master failing over). Not retried although ConnectionErrors: wrong credentials and TLS
+# certificate errors (``is_fatal``); the shells raise them as RedisUnusable.
 RETRY_FIRST_S = 0.05  # first backoff; doubled per failure up to RETRY_CAP_S
 RETRY_CAP_S = 1.0
 

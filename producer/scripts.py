@@ -5,22 +5,30 @@ Both clients (sync and asyncio) call these scripts through redis-py ``Script`` o
 (EVALSHA with a NOSCRIPT fallback). The scripts live in producer/lua/ (one loader); a
 non-Python producer EVALs the same text with the same KEYS/ARGV (docs/protocol.md).
 
-All KEYS share the ``{prefix}`` hash tag (producer/keys.py), so each script touches one
-Redis Cluster slot. CANCEL derives the queued-tokens key from the job's stored model
-(``ARGV[4] .. model``); it is in the same slot as the declared keys.
+All KEYS of one call share one partition's hash tag (producer/keys.py): a job's call is
+built with the keys of the partition its id names (``partition_of``), so each script
+touches one Redis Cluster slot. CANCEL derives the queued-tokens key from the job's
+stored model (``ARGV[4] .. model``); it is in the same slot as the declared keys.
+
+On a cluster client a pipeline is split per node and redis-py's Script objects cannot
+queue on it: ``queue_script`` sends a plain EVALSHA there, and ``pipelined`` loads the
+script and sends the pipeline again after a NOSCRIPT reply (every producer script may be
+repeated: SUBMIT is idempotent by id and body, CANCEL by status).
 """
 from __future__ import annotations
 
 import hashlib
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+import redis.asyncio
 from pydantic import ValidationError
 
 from . import lua
+from .connection import RETRYABLE
 from .errors import InvalidRequest, JobConflict, JobNotFound, NoWorker, Overloaded
-from .keys import DEFAULT_LANE, GROUP, Keys, check_job_id
+from .keys import DEFAULT_LANE, GROUP, Keys, check_job_id, new_job_id, partition_of
 from .schema import SCHEMA_VERSION, JobRequest, describe
 from .settings import Settings
 
@@ -43,7 +51,49 @@ def register(r: Any) -> Scripts:
                    served=r.register_script(SERVED_LUA))
 
 
+def queue_script(pipe: Any, script: Any, keys: list[str], args: list[str]) -> Any:
+    """Queue ``script`` (a redis-py Script or AsyncScript) on ``pipe``: through the Script
+    on a plain pipeline (it loads missing scripts before executing), as a bare EVALSHA on
+    a cluster pipeline (redis-py refuses Script objects there). Returns what the
+    pipeline's call returns (an awaitable on an asyncio pipeline of a plain client)."""
+    if isinstance(pipe, redis.client.Pipeline | redis.asyncio.client.Pipeline):
+        return script(keys, args, client=pipe)
+    return pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+
+def noscript(replies: list[Any]) -> bool:
+    return any(isinstance(x, redis.exceptions.NoScriptError) for x in replies)
+
+
+def pipelined(r: Any, script: Any, calls: list[tuple[list[str], list[str]]]) -> list[Any]:
+    """One pipeline of ``script`` calls on a sync client (KEYS, ARGV each), replies in
+    order (errors as exceptions); after a NOSCRIPT reply (a cluster node without the
+    script: a new or restarted master) the script is loaded and the pipeline sent again."""
+    for _ in range(2):
+        with r.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                queue_script(pipe, script, keys, args)
+            replies = pipe.execute(raise_on_error=False)
+        if not noscript(replies):
+            break
+        r.script_load(script.script)
+    raise_retryable(replies)
+    return replies
+
+
+def raise_retryable(replies: list[Any]) -> None:
+    """Raise the first connection-level failure among a pipeline's replies: a cluster
+    pipeline run with raise_on_error=False returns them where a plain one raises, and the
+    caller's retry loop resends the whole pipeline (every call in it may be repeated)."""
+    for x in replies:
+        if isinstance(x, RETRYABLE):
+            raise x
+
+
 def served_call(keys: Keys) -> tuple[list[str], list[str]]:
+    """Partition 0's models and serving sets (the workers' heartbeats write every
+    partition's, so one is enough)."""
+    keys = keys.home
     return [keys.models], [keys.base]
 
 
@@ -77,11 +127,17 @@ def lane_of(req: JobRequest, settings: Settings) -> str:
 
 def submit_call(keys: Keys, req: JobRequest, settings: Settings, require_worker: bool = False,
                 batch: tuple[str, str] | None = None) -> tuple[list[str], list[str]]:
-    """KEYS and ARGV of SUBMIT_LUA for a validated request that has an id. ``batch`` =
-    (batch id, item): the job counts itself on that batch's record as it ends and pushes
-    ``item`` on the batch's done list (producer/lua/common.lua, count_in_batch)."""
+    """KEYS and ARGV of SUBMIT_LUA for a validated request that has an id, in the
+    partition its id names (``keys``: any partition of the tenant). ``batch`` = (batch
+    id, item): the job counts itself on that batch's record as it ends and pushes
+    ``item`` on the batch's done list (producer/lua/common.lua, count_in_batch); the
+    batch's record must be in the job's partition (ValueError otherwise)."""
     if req.id is None:
         raise ValueError("submit_call needs a request with an id")
+    n = settings.partitions
+    keys = keys.of_job(req.id, n)
+    if batch is not None and partition_of(batch[0], n) != keys.partition:
+        raise ValueError(f"job {req.id} is not in the partition of its batch {batch[0]}")
     lane = lane_of(req, settings)
     body = req.body_json()
     m = req.model
@@ -115,6 +171,7 @@ def check_submit_reply(reply: Any, job_id: str) -> str:
 
 
 def cancel_call(keys: Keys, job_id: str, settings: Settings) -> tuple[list[str], list[str]]:
+    keys = keys.of_job(job_id, settings.partitions)
     return ([keys.job(job_id), keys.out(job_id), keys.cancel],
             [job_id, str(settings.result_ttl_s), keys.chan(job_id), keys.queued_tokens_prefix,
              keys.queued_jobs_prefix])
@@ -145,9 +202,10 @@ def validate_request(data: dict[str, Any] | JobRequest) -> JobRequest:
 
 def build_request(prompt: str | list[int] | None, messages: list[Any] | None, model: str,
                   job_id: str | None, explicit: dict[str, Any],
-                  params: dict[str, Any]) -> JobRequest:
+                  params: dict[str, Any], partitions: int = 1) -> JobRequest:
     """``explicit`` are the named keyword arguments (None = the schema default); ``params``
-    are passed through as given, so an unknown field is rejected rather than dropped."""
+    are passed through as given, so an unknown field is rejected rather than dropped. No
+    ``job_id``: a new one (``new_job_id``: in a random one of ``partitions``)."""
     data: dict[str, Any] = {k: v for k, v in explicit.items() if v is not None}
     data.update(params)
     if prompt is not None:
@@ -155,13 +213,14 @@ def build_request(prompt: str | list[int] | None, messages: list[Any] | None, mo
     if messages is not None:
         data["messages"] = messages
     data["model"] = model
-    data["id"] = job_id if job_id is not None else uuid.uuid4().hex
+    data["id"] = job_id if job_id is not None else new_job_id(partitions)
     return validate_request(data)
 
 
-def with_id(req: JobRequest | dict[str, Any], default_model: str) -> JobRequest:
-    """The request with an id (a new uuid4 hex if unset) and the client's model if the
-    request did not name one, validated."""
+def with_id(req: JobRequest | dict[str, Any], default_model: str,
+            partitions: int = 1) -> JobRequest:
+    """The request with an id (``new_job_id(partitions)`` if unset) and the client's model
+    if the request did not name one, validated."""
     if isinstance(req, JobRequest):
         named_model = "model" in req.model_fields_set
         req = req.model_dump(exclude_none=True)
@@ -172,7 +231,7 @@ def with_id(req: JobRequest | dict[str, Any], default_model: str) -> JobRequest:
     req = dict(req)
     req.setdefault("model", default_model)
     if req.get("id") is None:
-        req["id"] = uuid.uuid4().hex
+        req["id"] = new_job_id(partitions)
     return validate_request(req)
 
 

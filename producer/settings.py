@@ -11,7 +11,7 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .keys import check_lane, check_name
+from .keys import MAX_PARTITIONS, check_lane, check_name
 
 
 class Settings(BaseSettings):
@@ -30,7 +30,14 @@ class Settings(BaseSettings):
     redis_tls_cert: str | None = None  # client certificate (for tls-auth-clients yes)
     redis_tls_key: str | None = None  # its private key (default: in the certificate file)
     redis_tls_insecure: bool = False  # skip verifying the server's certificate: tests only
+    # the URL names one node of a Redis Cluster: clients and workers use redis-py's cluster
+    # client, which finds the other nodes and follows MOVED/ASK (docs/deployment.md)
+    redis_cluster: bool = False
     prefix: str = "pagedq"
+    # key spaces of every prefix (one Redis Cluster slot each): jobs are spread over them
+    # and workers serve all of them; every producer, worker, gateway and batch process of
+    # a deployment must use the same number (docs/protocol.md "Partitions")
+    partitions: int = Field(1, ge=1, le=MAX_PARTITIONS)
     # the tenants a worker serves: their key prefixes (comma-separated in the environment:
     # PAGEDQ_PREFIXES=a,b); empty = just ``prefix``. Clients use ``prefix`` alone
     # (docs/security.md "Tenants").

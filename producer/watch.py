@@ -87,7 +87,7 @@ def watch(client: Client, job_id: str, out: IO[str], live: bool,
     w = Watched.of(client.status(job_id))  # JobNotFound before anything is shown
     if w.status == Status.running:  # running, but has it streamed a token yet?
         try:
-            w.tokens_before = client.redis.xlen(client.keys.out(job_id)) > 0
+            w.tokens_before = client.redis.xlen(client.keys_of(job_id).out(job_id)) > 0
         except Exception:  # noqa: BLE001 - a user without XLEN: TTFT unknown, no harm
             w.tokens_before = True
     view = _LiveView(w) if live else _PlainView(w, out)

@@ -15,9 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
+from gateway import apikeys
 from producer import AsyncClient, Client, acl, lua
 from producer.batch import Batches, BatchSettings
 from producer.cli import main as cli_main
@@ -26,14 +28,16 @@ from producer.invariants import queue_counters
 from producer.keys import GROUP, Keys
 from producer.scripts import CANCEL_LUA, cancel_call
 from producer.settings import Settings
+from tests.model_fixtures import make_tiny_chat_model
 from tests.test_batch_e2e import RqWorker, until
+from tests.test_gateway import CHAT, Gateway
 from tests.tiny_service import MODEL
 from tests.worker_proc import ROOT, WorkerProc
 from worker.redis_server import RedisServer
 from worker.tenants import fair_take, rotated
 
 T1, T2 = "acl1", "acl2"  # the tenants' prefixes
-NON_ADMIN = [f"producer-{T1}", f"reader-{T1}", f"batch-{T1}", "worker"]
+NON_ADMIN = [f"producer-{T1}", f"reader-{T1}", f"batch-{T1}", "worker", "gateway"]
 
 
 class Env:
@@ -88,10 +92,18 @@ class AclWorker(WorkerProc):
 
 
 @pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The tiny Llama with a chat template (the gateway's user serves a chat request)."""
+    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tiny-acl")))
+
+
+@pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_dir):
     d = tmp_path_factory.mktemp("acl")
     secrets, aclfile = d / "secrets", d / "users.acl"
+    # the gateway user serves tenant one only, its API keys under tenant one's prefix
     assert cli_main(["acl", "--tenant", f"{T1},{T2}", "--secrets-dir", str(secrets),
+                     "--gateway-prefixes", T1, "--gateway-admin-prefix", T1,
                      "-o", str(aclfile)]) == 0
     # Redis >= 7.0 (selectors, %R~/%W~): a clear error, not a skip, when there is none.
     # DEBUG allowed from localhost, so that only the ACL can refuse it below.
@@ -149,11 +161,11 @@ def test_the_file_is_built_from_the_key_scheme_and_keeps_no_password(tmp_path, c
     pw = "p" * 20
     monkeypatch.setenv("PAGEDQ_ACL_PASSWORD_PRODUCER_T_1", pw)
     out = tmp_path / "users.acl"
-    assert cli_main(["acl", "--tenant", "t-1", "-o", str(out)]) == 0
+    assert cli_main(["acl", "--tenant", "t-1", "--prefix", "gw", "-o", str(out)]) == 0
     text, err = out.read_text(), capsys.readouterr().err
     lines = {ln.split()[1]: ln for ln in text.splitlines()}
     assert set(lines) == {"default", "producer-t-1", "reader-t-1", "batch-t-1", "worker",
-                          "admin"}
+                          "gateway", "admin"}
     assert lines["default"].startswith("user default off")
     k = Keys("t-1")
     producer = lines["producer-t-1"]
@@ -165,6 +177,16 @@ def test_the_file_is_built_from_the_key_scheme_and_keeps_no_password(tmp_path, c
         "+evalsha +eval +xadd +xgroup|create)")
     assert f"%R~{k.job('*')}" in lines["reader-t-1"] and "+hset" not in lines["reader-t-1"]
     assert "~rq:*" in lines["batch-t-1"] and f"~{k.base}:*" in lines["worker"]
+    # the gateway: the batch role's keys and the uploads' of the tenants; its API keys
+    # (read only) and rate windows under its own prefix (default: --prefix); ADMIT's
+    # commands parsed from its text (HLEN)
+    gw_root, gw_tenant_sel, gw_keys_sel = lines["gateway"].split(" (")
+    home = Keys("gw")
+    assert f"~{k.file('*')}" in gw_root and f"~{k.batch('*')}" in gw_root
+    assert f"%R~{home.apikeys}" in gw_root and f"~{home.ratelimit('*', '*')}" in gw_root
+    assert "+hlen" in gw_root and "~rq:*" in gw_root and k.apikeys not in lines["gateway"]
+    assert f"~{k.jobs('*', '*')}" in gw_tenant_sel and k.jobs("*", "*") not in gw_root
+    assert gw_keys_sel == f"~{home.apikeys} +evalsha +eval)"
     assert all("-@dangerous" in ln for name, ln in lines.items()
                if name not in ("admin", "default"))
     # the other users' passwords were generated and shown once, on stderr only
@@ -396,3 +418,109 @@ def test_batch_user_runs_a_batch_through_a_real_rq_worker(env, tmp_path):
         assert "NOPERM" not in rq.log() and "no permissions" not in rq.log(), rq.log()
     finally:
         rq.stop()
+
+
+def test_gateway_user_serves_its_tenant_and_nothing_more(env, tmp_path):
+    """`pagedq gateway` (a real process, as tests/test_gateway.py starts it) logged in as
+    the gateway user: a key of tenant one gets a chat completion through the worker, a
+    streamed one, cancelled when the client leaves, the models and a file upload; the
+    rate window is charged and settled. Then what the user must not do."""
+    adm, k = env.raw("admin"), Keys(T1)
+    key, _ = apikeys.add(apikeys.KeyRecord(T1, rpm=100, tpm=100_000, name="acl"), r=adm,
+                         admin_prefix=T1)  # keys are the admin's to make
+    gw = Gateway(env.srv.url, tmp_path / "batches", prefix=T1, env=env.user_env("gateway"))
+    auth = {"Authorization": f"Bearer {key}"}
+    try:
+        gw.wait_ready()
+        r = httpx.post(gw.base + "/v1/chat/completions", headers=auth, timeout=120,
+                       json={"model": MODEL, "messages": CHAT, "max_tokens": 5,
+                             "ignore_eos": True, "logprobs": True, "top_logprobs": 1})
+        assert r.status_code == 200, (r.text, gw.log())
+        body, reader = r.json(), env.client(f"reader-{T1}")
+        rec = reader.status(body["id"].split("-", 1)[1])
+        assert rec.status == "finished" and rec.usage.completion_tokens == 5
+        assert body["choices"][0]["message"]["content"] == rec.text
+        assert len(body["choices"][0]["logprobs"]["content"]) == 5  # XRANGE of its events
+        # ADMIT charged the key's window, SETTLE corrected it to the job's usage
+        (window,) = adm.keys(k.ratelimit(apikeys.hash_key(key), "*"))
+        used = rec.usage.prompt_tokens + rec.usage.completion_tokens
+        assert adm.hgetall(window) == {"r": "1", "t": str(used)}
+        # a stream the client leaves: the gateway cancels its job (CANCEL)
+        with httpx.Client(timeout=60) as http, http.stream(
+                "POST", gw.base + "/v1/chat/completions", headers=auth,
+                json={"model": MODEL, "messages": CHAT, "max_tokens": 300,
+                      "ignore_eos": True, "stream": True}) as resp:
+            assert resp.status_code == 200, resp.read()
+            first = next(ln for ln in resp.iter_lines() if ln.startswith("id: "))
+        job = first[4:].rpartition("/")[0]
+        rec = until(lambda: (x := reader.status(job)).done and x, f"job {job} ended", 60)
+        assert rec.status == "cancelled" and rec.usage.completion_tokens < 300
+        models = httpx.get(gw.base + "/v1/models", headers=auth, timeout=30)
+        assert [m["id"] for m in models.json()["data"]] == [MODEL], models.text
+        line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                           "body": {"model": MODEL, "prompt": "x", "max_tokens": 2}})
+        up = httpx.post(gw.base + "/v1/files", headers=auth, timeout=30, data={"purpose": "batch"},
+                        files={"file": ("in.jsonl", line.encode() + b"\n")})
+        assert up.status_code == 200, up.text
+        listed = httpx.get(gw.base + "/v1/files", headers=auth, timeout=30).json()["data"]
+        assert [f["id"] for f in listed] == [up.json()["id"]]
+        log = gw.log(None)
+        for bad in ("permission", "NOPERM", "after_request_failed", "unexpected_error"):
+            assert bad not in log, log
+        # a key of a tenant the user does not serve: one clear error, not "unavailable"
+        key2, _ = apikeys.add(apikeys.KeyRecord(T2), r=adm, admin_prefix=T1)
+        r = httpx.post(gw.base + "/v1/completions", timeout=30,
+                       headers={"Authorization": f"Bearer {key2}"},
+                       json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "permission_denied", r.text
+        until(lambda: "redis_permission_denied" in gw.log(None), "the error logged", 10)
+    finally:
+        assert gw.stop() == 0, gw.log()
+    # refused: the queue's prompts, the workers' and the DLQ's keys, minting API keys
+    # (even from a script naming the hash), a tenant it does not serve, the server
+    r, k2 = env.raw("gateway"), Keys(T2)
+    assert r.hlen(k.apikeys) == 2
+    noperm(r.xrange, k.jobs(MODEL, "interactive"))
+    noperm(r.delete, k.jobs(MODEL, "interactive"))
+    noperm(r.hgetall, k.worker(env.worker.worker_id))
+    noperm(r.xlen, k.dlq(MODEL, "interactive"))
+    noperm(r.hset, k.apikeys, "0" * 64, json.dumps({"tenant": T1}))
+    with pytest.raises(redis.exceptions.ResponseError, match="can't access at least one of the keys"):
+        r.eval("return redis.call('HSET', KEYS[1], 'x', '{}')", 1, k.apikeys)
+    assert r.hlen(k.apikeys) == 2
+    noperm(r.hgetall, k2.job("any"))
+    noperm(r.xread, {k2.out("any"): "0-0"})
+    noperm(r.execute_command, "SUBSCRIBE", k2.chan("any"))
+    noperm(r.hset, k2.file("file-x"), "path", "/etc/passwd")
+
+
+def test_a_partitioned_tenants_users_cover_its_partitions_only(tmp_path):
+    """PAGEDQ_PARTITIONS=3 (`pagedq acl --partitions 3`): a tenant's producer submits into,
+    reads and cancels in every partition ``{P:p<k>}``; the worker user reads every
+    partition's queue; another tenant, even one whose prefix looks like a partition
+    (``pa.p1`` beside ``pa``'s ``{pa:p1}``), gets none of them."""
+    secrets, aclfile = tmp_path / "secrets", tmp_path / "users.acl"
+    assert cli_main(["acl", "--tenant", "pa,pa.p1", "--partitions", "3", "--secrets-dir",
+                     str(secrets), "--roles", "producer,worker,admin", "-o", str(aclfile)]) == 0
+    srv = RedisServer(min_version=(7, 0), extra=["--aclfile", str(aclfile)]).start()
+    e = Env(srv, secrets, aclfile)
+    try:
+        s = e.settings("producer-pa", prefix="pa", partitions=3)
+        with Client(settings=s) as c:
+            ids = [c.submit("x", max_tokens=2) for _ in range(3)]
+            assert {c.keys_of(i).partition for i in ids} == {0, 1, 2}
+            assert all(c.status(i).status == "queued" for i in ids)
+            assert all(c.cancel(i) for i in ids)
+            assert all(c.result(i, timeout=10).status == "cancelled" for i in ids)
+        w, jobs1 = e.raw("worker"), Keys("pa", 1).jobs(MODEL, "interactive")
+        assert w.xlen(jobs1) == 1 and w.xreadgroup(GROUP, "w", {jobs1: ">"}, count=1)
+        other, p1 = e.raw("producer-pa.p1"), Keys("pa", 1)
+        for key in (p1.job(ids[1]), p1.out(ids[1])):
+            noperm(other.exists, key)
+        noperm(other.sadd, p1.cancel, ids[1])
+        noperm(e.raw("producer-pa").hgetall, Keys("pa.p1").job("any"))
+        noperm(e.raw("producer-pa").hgetall, Keys("pa.p1", 1).job("any"))
+    finally:
+        for close in e.closers:
+            close()
+        srv.cleanup()

@@ -344,6 +344,21 @@ def test_promql_metric_extraction():
     assert promql_metrics("count(up == 1) or vector(0)") == {"up"}
 
 
+def test_queue_gauges_are_taken_once_per_queue_before_any_sum():
+    """Every worker of a queue exports the same series (labels prefix, model, lane:
+    worker/liveness.py): a panel takes their max per queue first, or N workers would show
+    N times the queue."""
+    seen = 0
+    for p in dashboard()["panels"]:
+        for t in p["targets"]:
+            for m in re.finditer(r"pagedq:(?:stream_length|pending_count|dlq_size)\b",
+                                 t["expr"]):
+                seen += 1
+                assert t["expr"][:m.start()].endswith("max by (prefix, model, lane) ("), \
+                    (p["title"], t["expr"])
+    assert seen >= 4
+
+
 def test_dockerfile_variants_user_healthchecks_and_copies():
     st = stages()
     glob = dict(a.split("=", 1) for i, a in st["(global)"] if i == "ARG" and "=" in a)

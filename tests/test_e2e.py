@@ -146,7 +146,9 @@ def test_metrics_endpoint_and_json_logs_without_prompts(service):
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
                    if line and not line.startswith("#")}
-        if 'pagedq:stream_length{lane="batch"}' in samples or time.time() > deadline:
+        # the queue gauges' labels besides lane (the text format sorts labels by name)
+        queue = f'model="{client.model}",prefix="{w.prefix}"'
+        if f'pagedq:stream_length{{lane="batch",{queue}}}' in samples or time.time() > deadline:
             break
         time.sleep(0.5)
     for name in ("pagedq:num_requests_running", "pagedq:num_requests_waiting",
@@ -155,7 +157,7 @@ def test_metrics_endpoint_and_json_logs_without_prompts(service):
         assert name in samples, name
     for lane in ("interactive", "batch"):  # the queue gauges, one per lane
         for name in ("pending_count", "oldest_pending_age_seconds", "dlq_size", "stream_length"):
-            assert f'pagedq:{name}{{lane="{lane}"}}' in samples, (name, lane)
+            assert f'pagedq:{name}{{lane="{lane}",{queue}}}' in samples, (name, lane)
     assert samples["pagedq:generation_tokens_total"] >= 5
     assert samples["pagedq:prompt_tokens_total"] > 0
     assert samples['pagedq:time_to_first_token_seconds_count{lane="interactive"}'] >= 1

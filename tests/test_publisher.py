@@ -48,5 +48,34 @@ def test_stale_owner_is_fenced_and_told(redis_server, r):
     pub.stop()
     assert r.xlen(keys.out("x")) == 0
     assert verdicts == ["fenced"]
-    assert pub.lost.get_nowait() == keys.job("x")  # the job's uid (worker/jobs.py)
+    assert pub.lost.get_nowait() == (keys.job("x"), 1)  # the job's uid (worker/jobs.py)
     assert r.hget(keys.job("x"), "status") == "running"
+
+
+def test_own_job_taken_back_the_earlier_attempt_leaves_it_alone(redis_server, r):
+    """A worker's lease ran out while Redis was away (its publisher stalled) and it took its
+    own job back (attempt 2, resuming after index 0) while attempt 1's tokens and final
+    still wait in the queue: attempt 1 writes nothing, its index is not taken, and neither
+    its fenced final nor a "lost" verdict stops attempt 2."""
+    s = Settings(redis_url=redis_server.url, prefix="pub")
+    keys, uid = Keys("pub"), Keys("pub").job("y")
+    pub = Publisher(r, s)  # not started: one round, by hand
+    r.xadd(keys.out("y"), {"t": "token", "i": "0", "d": "a", "ids": "1"}, id="0-1")
+    _running(r, keys, "y", 2)
+    pub.register(keys, "y", 1, 1)
+    pub.tokens([(uid, 1, None, "stale ", [7], None, None)])
+    verdicts = []
+    pub.final(Final(keys, "y", 1, "", keys.jobs("m"), "finished", "stop", "stale",
+                    on_done=verdicts.append))
+    pub.register(keys, "y", 2, 1)
+    pub.tokens([(uid, 2, None, "b", [2], None, None)])
+    items = []
+    while not pub._q.empty():
+        items.append(pub._q.get())
+    pub._round(items)
+    pub.tokens([(uid, 2, None, "c", [3], None, None)])
+    pub._round([pub._q.get()])
+    assert verdicts == ["fenced"] and pub.lost.empty()
+    log = r.xrange(keys.out("y"))
+    assert [i for i, _ in log] == ["0-1", "0-2", "0-3"]  # no gap, nothing of attempt 1
+    assert [f["d"] for _, f in log] == ["a", "b", "c"]

@@ -11,6 +11,11 @@ import time
 import redis
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A worker of any model but SmolLM2 serves a tiny test model (< 1 KiB of KV per token, 256
+# context): 32 MiB of KV cache holds 64 seqs x 256 tokens twice over. The 1 GiB default
+# costs each start about a second of page faults and each live worker 1 GiB of memory.
+# SmolLM2 workers keep the default (it sizes their context); env= or os.environ win.
+TINY_KV_CACHE_GB = "0.03125"
 
 
 class WorkerProc:
@@ -28,7 +33,9 @@ class WorkerProc:
         cmd = [sys.executable, "-m", "worker.cli", "--redis-url", self.redis_url,
                "--prefix", self.prefix, "worker", "--model", self.model,
                "--worker-id", self.worker_id, *self.extra]
-        env = {**os.environ, "PYTHONPATH": ROOT, **self.env}
+        small_kv = {} if self.model == "smollm2" else {"PAGEDQ_KV_CACHE_MEMORY_GB":
+                                                       TINY_KV_CACHE_GB}
+        env = {**small_kv, **os.environ, "PYTHONPATH": ROOT, **self.env}
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      cwd=ROOT)
@@ -38,7 +45,11 @@ class WorkerProc:
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Ready = its heartbeat key exists (written from the engine loop)."""
-        r = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        if self.env.get("PAGEDQ_REDIS_CLUSTER"):  # a node answers MOVED for others' slots
+            from redis.cluster import RedisCluster
+            r = RedisCluster.from_url(self.redis_url, decode_responses=True)
+        else:
+            r = redis.Redis.from_url(self.redis_url, decode_responses=True)
         key = "{" + self.prefix + "}:worker:" + self.worker_id
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -110,14 +110,16 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _remove_keys(url: str, prefix: str) -> int:
-    """Delete every key of the prefix (docs/protocol.md: all keys are ``{prefix}:...``)."""
+    """Delete every key of the prefix, every partition's (docs/protocol.md: all keys are
+    ``{prefix}:...`` or ``{prefix:p<k>}:...``)."""
     import redis
 
     from producer import Client
 
     try:
         with Client(url, prefix=prefix) as c:
-            keys = list(c.redis.scan_iter(match=c.keys.base + ":*", count=1000))
+            keys = [k for space in c.keys.spaces(c.settings.partitions)
+                    for k in c.redis.scan_iter(match=space.base + ":*", count=1000)]
             for i in range(0, len(keys), 500):
                 c.redis.unlink(*keys[i:i + 500])
             return len(keys)

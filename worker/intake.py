@@ -6,10 +6,16 @@ Invariant: a job enters ``jobs`` only after the START script made this worker it
 (attempt bumped, status running); anything that cannot run is dead-lettered and acked in
 one script (REJECT), so no entry is left pending by a live worker.
 
-Tenants: a worker may serve several key prefixes (``ident.tenants``); each has its own
-jobs stream per lane. Lanes keep their order across tenants; one lane's room is shared
-among its tenants' streams in fair shares (worker/tenants.py), and who goes first rotates.
-Every entry is handled with the keys of the tenant whose stream it came from.
+Key spaces: a worker may serve several key prefixes (tenants), each split into partitions
+(``ident.tenants``: every partition of every prefix); each key space has its own jobs
+stream per lane. Lanes keep their order across key spaces; one lane's room is shared among
+its key spaces' streams in fair shares (worker/tenants.py), and who goes first rotates.
+Every entry is handled with the keys of the key space whose stream it came from.
+
+No command names streams of two key spaces on a Redis Cluster (two slots): an idle
+worker there reads every key space without blocking (one pipeline), and only when all
+are empty blocks on one key space's lanes, for CLUSTER_IDLE_BLOCK_MS, the key space
+rotating, so a job in another partition waits that long at most.
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ from worker.recovery import reclaim
 
 DLQ_BODY_CHARS = 4096
 LOWER_LANE_POLL_S = 0.1  # a busy worker looks at an empty lower lane this often
+IDLE_BLOCK_MS = 500  # an idle worker's blocking read (one command over every stream)
+CLUSTER_IDLE_BLOCK_MS = 100  # on a cluster: one key space's block, between full sweeps
 
 
 class Intake:
@@ -139,12 +147,16 @@ class Intake:
         got = 0
         if not busy:
             rooms, order = self._rooms(), self._tenant_order("idle")
-            streams = {self.ident.stream(ln, k): ">" for ln, room in rooms.items() if room > 0
-                       for k in order}
-            if not streams:
+            lanes_ = [ln for ln, room in rooms.items() if room > 0]
+            if not lanes_:
                 return 0
-            self.round_trips += 1
-            resp = self.r.xreadgroup(GROUP, self.worker_id, streams, count=1, block=500)
+            if self.ident.cluster:
+                resp = self._read_idle_cluster(order, lanes_)
+            else:
+                streams = {self.ident.stream(ln, k): ">" for ln in lanes_ for k in order}
+                self.round_trips += 1
+                resp = self.r.xreadgroup(GROUP, self.worker_id, streams, count=1,
+                                         block=IDLE_BLOCK_MS)
             for stream, entries in sorted(resp or [], key=lambda x: self._rank[x[0]]):
                 for entry_id, fields in entries:
                     got += 1
@@ -168,6 +180,25 @@ class Intake:
             self._next_poll[lane] = 0.0 if n else now + wait
             got += n
         return got
+
+    def _read_idle_cluster(self, order: list[Keys], lanes_: list[str]) -> list:
+        """An idle read on a cluster (see the module docstring): one entry of each stream,
+        every key space read by a command of its own, pipelined; if none had one, a block
+        on the first key space of ``order`` (it rotates). XREADGROUP's reply shape."""
+        def streams(k: Keys) -> dict[str, str]:
+            return {self.ident.stream(ln, k): ">" for ln in lanes_}
+        self.round_trips += 1
+        if len(order) > 1:
+            pipe = self.r.pipeline(transaction=False)
+            for k in order:
+                pipe.xreadgroup(GROUP, self.worker_id, streams(k), count=1)
+            resp = [x for reply in pipe.execute() for x in reply or []]
+            if resp:
+                return resp
+            self.round_trips += 1
+        return self.r.xreadgroup(GROUP, self.worker_id, streams(order[0]), count=1,
+                                 block=CLUSTER_IDLE_BLOCK_MS if len(order) > 1
+                                 else IDLE_BLOCK_MS)
 
     def _read_lane(self, lane: str, counts: dict[Keys, int]) -> dict[Keys, list]:
         """New entries of a lane's streams, ``counts[tenant]`` of each, in one round trip

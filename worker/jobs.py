@@ -15,6 +15,7 @@ import redis
 from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams
+from producer.connection import is_cluster
 from producer.keys import JOB_ID_RE, Keys
 from producer.schema import FinishReason, JobRequest, clean_logprob, describe
 from producer.settings import Settings
@@ -22,10 +23,11 @@ from producer.settings import Settings
 
 @dataclass(frozen=True, slots=True)
 class WorkerIdentity:
-    """What every part of a worker knows of it: its Redis, the tenants it serves (their
-    key schemes: one per prefix, ``keys`` is the first), settings, the model it serves, its
-    lanes (highest first) and its consumer name. Its jobs streams: one per tenant and
-    lane. A single-prefix worker is the case of one tenant."""
+    """What every part of a worker knows of it: its Redis, the key spaces it serves
+    (``tenants``: every partition of every tenant prefix, prefix by prefix, partition 0
+    first; ``keys`` is the first), settings, the model it serves, its lanes (highest
+    first) and its consumer name. Its jobs streams: one per key space and lane. A
+    single-prefix worker of one partition is the case of one key space."""
 
     r: redis.Redis
     keys: Keys
@@ -41,6 +43,11 @@ class WorkerIdentity:
     @property
     def lanes(self) -> tuple[str, ...]:
         return self.settings.lanes
+
+    @property
+    def cluster(self) -> bool:
+        """On a Redis Cluster no command may name keys of two key spaces (two slots)."""
+        return is_cluster(self.r)
 
     def stream(self, lane: str, keys: Keys) -> str:
         return keys.jobs(self.model, lane)

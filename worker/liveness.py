@@ -15,7 +15,7 @@ import redis
 import structlog
 
 from producer import worker_scripts
-from producer.keys import GROUP
+from producer.keys import GROUP, Keys
 from worker import fatal, faults, lua
 from worker.jobs import Job, WorkerIdentity
 from worker.metrics import Metrics
@@ -43,36 +43,41 @@ class Heartbeat:
                         "started_at": f"{time.time():.3f}"}
 
     def beat(self, jobs: list[Job], kv_usage: float) -> None:
-        """``jobs``: the jobs the worker owns now (their leases are refreshed). Written
-        under every tenant's prefix it serves: ``running`` counts all its jobs (its load),
-        ``jobs`` lists only that tenant's."""
+        """``jobs``: the jobs the worker owns now (their leases are refreshed). Its hash
+        and ``{P}:workers`` entry are written under every tenant's prefix it serves (in
+        partition 0): ``running`` counts all its jobs (its load), ``jobs`` lists only that
+        tenant's. The serving set and models set are written in every partition (SUBMIT's
+        require_worker and the unserved sweep read their own partition's)."""
         ident = self.ident
         faults.maybe_raise("heartbeat", [j.uid for j in jobs])
         now = time.time()
         ttl = int(ident.settings.heartbeat_ttl_s) + 1
         prune_before = now - PRUNE_AFTER_S
-        owned: dict[tuple[str, str], list[tuple[str, str, int]]] = {}  # per (prefix, lane)
+        owned: dict[tuple[Keys, str], list[tuple[str, str, int]]] = {}  # per (space, lane)
         for j in jobs:
-            owned.setdefault((j.keys.prefix, j.lane), []).append(
-                (j.job_id, j.entry_id, j.attempt))
+            owned.setdefault((j.keys, j.lane), []).append((j.job_id, j.entry_id, j.attempt))
         writes = []
         for keys in ident.tenants:
-            mine = [j.job_id for j in jobs if j.keys == keys]
-            state = {"model": ident.model, "running": len(jobs), "at": f"{now:.3f}",
-                     "kv_usage": f"{kv_usage:.4f}", **self._static,
-                     "jobs": ",".join(mine[:HEARTBEAT_JOB_IDS])}
+            state = None
+            if keys.partition == 0:
+                mine = [j.job_id for j in jobs if j.keys.prefix == keys.prefix]
+                state = {"model": ident.model, "running": len(jobs), "at": f"{now:.3f}",
+                         "kv_usage": f"{kv_usage:.4f}", **self._static,
+                         "jobs": ",".join(mine[:HEARTBEAT_JOB_IDS])}
             refresh = [worker_scripts.refresh(keys, ident.stream(lane, keys), ident.worker_id,
-                                              owned[keys.prefix, lane])
-                       for lane in ident.lanes if (keys.prefix, lane) in owned]
+                                              owned[keys, lane])
+                       for lane in ident.lanes if (keys, lane) in owned]
             writes.append((keys, state, refresh))
 
         def write(pipe) -> None:
             for keys, state, refresh in writes:
-                wk, serving = keys.worker(ident.worker_id), keys.serving(ident.model)
-                pipe.hset(wk, mapping=state)
-                pipe.expire(wk, ttl)
-                pipe.zadd(keys.workers, {ident.worker_id: now})
-                pipe.zremrangebyscore(keys.workers, "-inf", prune_before)
+                serving = keys.serving(ident.model)
+                if state is not None:
+                    wk = keys.worker(ident.worker_id)
+                    pipe.hset(wk, mapping=state)
+                    pipe.expire(wk, ttl)
+                    pipe.zadd(keys.workers, {ident.worker_id: now})
+                    pipe.zremrangebyscore(keys.workers, "-inf", prune_before)
                 pipe.zadd(serving, {ident.worker_id: now + ttl})
                 pipe.sadd(keys.models, ident.model)
                 pipe.zremrangebyscore(serving, "-inf", prune_before)
@@ -88,17 +93,19 @@ class Heartbeat:
             pipe = ident.r.pipeline(transaction=False)
             for keys in ident.tenants:
                 pipe.zrem(keys.serving(ident.model), ident.worker_id)
-                pipe.zrem(keys.workers, ident.worker_id)
-                pipe.delete(keys.worker(ident.worker_id))
+                if keys.partition == 0:
+                    pipe.zrem(keys.workers, ident.worker_id)
+                    pipe.delete(keys.worker(ident.worker_id))
             pipe.execute()
         except redis.RedisError as e:
             log.warning("leave_failed", error=str(e))
 
 
 def read_queue_metrics(ident: WorkerIdentity, metrics: Metrics) -> None:
-    """Stream length, pending, oldest pending age, DLQ size of each lane (one round trip),
-    over every tenant the worker serves: summed (the oldest age: the largest), so that the
-    gauges keep one series per lane (`pagedq inspect` shows them per prefix)."""
+    """Stream length, pending, oldest pending age, DLQ size of each lane of each tenant the
+    worker serves (one round trip): one series per (prefix, model, lane), the queue the
+    labels name. Every worker of that queue reports the same values: dashboards take their
+    max per series, then sum across prefixes (deploy/grafana/dashboards/pagedq.json)."""
     where = [(k, lane) for lane in ident.lanes for k in ident.tenants]
     try:
         pipe = ident.r.pipeline(transaction=False)
@@ -112,19 +119,21 @@ def read_queue_metrics(ident: WorkerIdentity, metrics: Metrics) -> None:
     except Exception as e:  # noqa: BLE001 - metrics must never take the worker down
         log.warning("queue_metrics_failed", error=str(e))
         return
-    total = {lane: [0, 0, 0, 0.0] for lane in ident.lanes}  # length, pending, dlq, oldest
-    for i, (_, lane) in enumerate(where):
+    # (prefix, lane) -> length, pending, dlq, oldest; summed over the lane's streams
+    total = {(k.prefix, lane): [0, 0, 0, 0.0] for k, lane in where}
+    for i, (k, lane) in enumerate(where):
         length, pend, dlq, oldest = res[4 * i:4 * i + 4]
-        t = total[lane]
+        t = total[k.prefix, lane]
         t[0] += length
         t[1] += pend["pending"] if isinstance(pend, dict) else 0
         t[2] += dlq
         t[3] = max(t[3], oldest[0]["time_since_delivered"] / 1000 if oldest else 0)
-    for lane, (length, pending, dlq, oldest_s) in total.items():
-        metrics.stream_length.labels(lane).set(length)
-        metrics.pending.labels(lane).set(pending)
-        metrics.dlq_size.labels(lane).set(dlq)
-        metrics.oldest_pending.labels(lane).set(oldest_s)
+    for (prefix, lane), (length, pending, dlq, oldest_s) in total.items():
+        labels = (prefix, ident.model, lane)
+        metrics.stream_length.labels(*labels).set(length)
+        metrics.pending.labels(*labels).set(pending)
+        metrics.dlq_size.labels(*labels).set(dlq)
+        metrics.oldest_pending.labels(*labels).set(oldest_s)
 
 
 class Watchdog:

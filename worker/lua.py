@@ -8,6 +8,7 @@ import hashlib
 
 import redis
 
+from producer.connection import RETRYABLE, is_cluster
 from producer.lua import source
 
 
@@ -27,8 +28,8 @@ class Script:
         Script.sources.add(source)
 
     def __call__(self, keys=(), args=(), client=None):
-        if client is not None:
-            client.evalsha(self.sha, len(keys), *keys, *args)
+        if client is not None:  # a plain EVALSHA: redis-py's cluster pipeline refuses evalsha()
+            client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
             return None
         try:
             return self.r.evalsha(self.sha, len(keys), *keys, *args)
@@ -43,11 +44,22 @@ def noscript(results: list) -> bool:
 
 
 def load_all(r: redis.Redis) -> None:
-    """Load every script in use into Redis's script cache."""
+    """Load every script in use into Redis's script cache (on a cluster: every master's;
+    a replica promoted by a failover may lack them)."""
+    if is_cluster(r):  # SCRIPT LOAD goes to every master, one command each
+        for text in Script.sources:
+            r.script_load(text)
+        return
     pipe = r.pipeline(transaction=False)
     for text in Script.sources:
         pipe.script_load(text)
     pipe.execute()
+
+
+def failed(results: list) -> Exception | None:
+    """The first connection-level failure among a pipeline's replies (a cluster pipeline
+    executed with raise_on_error=False returns them, where a plain one raises), or None."""
+    return next((x for x in results if isinstance(x, RETRYABLE)), None)
 
 
 # The worker's scripts (producer/lua/*.lua: KEYS, ARGV and replies in each file's header)

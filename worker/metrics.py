@@ -19,15 +19,17 @@ class Metrics:
         self.registry = reg = CollectorRegistry()
         self._preemptions_seen = 0
         g = lambda n, d: Gauge(f"pagedq:{n}", d, registry=reg)
-        lane_g = lambda n, d: Gauge(f"pagedq:{n}", d, ["lane"], registry=reg)
+        # the queue gauges: one series per jobs queue (worker/liveness.py read_queue_metrics)
+        queue_g = lambda n, d: Gauge(f"pagedq:{n}", d, ["prefix", "model", "lane"],
+                                     registry=reg)
         c = lambda n, d: Counter(f"pagedq:{n}", d, registry=reg)
         self.running = g("num_requests_running", "Requests in the running batch")
         self.waiting = g("num_requests_waiting", "Requests admitted but waiting in the engine")
         self.kv_usage = g("kv_cache_usage_perc", "Share of KV-cache blocks in use (0-1)")
-        self.stream_length = lane_g("stream_length", "Entries in the lane's jobs stream")
-        self.pending = lane_g("pending_count", "Entries delivered but not acknowledged")
-        self.oldest_pending = lane_g("oldest_pending_age_seconds", "Idle time of the oldest pending entry")
-        self.dlq_size = lane_g("dlq_size", "Entries in the dead-letter stream")
+        self.stream_length = queue_g("stream_length", "Entries in the lane's jobs stream")
+        self.pending = queue_g("pending_count", "Entries delivered but not acknowledged")
+        self.oldest_pending = queue_g("oldest_pending_age_seconds", "Idle time of the oldest pending entry")
+        self.dlq_size = queue_g("dlq_size", "Entries in the dead-letter stream")
         self.ttft = Histogram("pagedq:time_to_first_token_seconds", "Admission to first token",
                               ["lane"], buckets=_LAT, registry=reg)
         self.itl = Histogram("pagedq:inter_token_latency_seconds", "Between tokens of one job",

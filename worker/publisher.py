@@ -7,8 +7,15 @@ When Redis is slower than the engine, the queue grows and a job's deltas from se
 steps merge into one event (adaptive coalescing, no added latency when Redis keeps up).
 
 Invariants: a job's events are written in index order, its final event last; the
-thread owns every job's next event index; a failed round trip is retried as a whole
-(scripts are idempotent: explicit event ids, compare-and-set on attempt).
+thread owns every job's next event index, for the attempt registered last (a worker may
+take its own job back after a lease ran out, e.g. while Redis was away: the earlier
+attempt's unwritten tokens are then dropped, never numbered in the new attempt's log, and
+its final event and "lost" verdicts leave the new attempt alone); a failed round trip is
+retried as a whole
+(scripts are idempotent: explicit event ids, compare-and-set on attempt). On a Redis
+Cluster a round holds one PUBLISH call per key space (a script touches one slot), and a
+reply that is a connection-level failure (a master failing over: the cluster pipeline
+returns it instead of raising) fails the round, which is then sent again whole.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import redis
 import structlog
 
 from producer import worker_scripts
+from producer.connection import RETRYABLE, is_cluster
 from producer.keys import Keys
 from producer.settings import Settings
 from worker import fatal, faults, lua
@@ -70,23 +78,26 @@ class _Pending:
 
 class Publisher:
     """Jobs are named by their uid (worker/jobs.py Job.uid) in every call but ``register``
-    and ``final``, which give the job's keys and id; ``lost`` and ``cancel_hits`` carry
-    uids."""
+    and ``final``, which give the job's keys and id; ``cancel_hits`` carries uids, ``lost``
+    (uid, attempt) pairs."""
 
     def __init__(self, r: redis.Redis, settings: Settings) -> None:
         self.r, self.s = r, settings
+        self._per_slot = is_cluster(r)  # one PUBLISH call per key space, not one per round
         self._publish = lua.Script(r, lua.PUBLISH)
         self._finish = lua.Script(r, lua.FINISH)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         # owned by the publisher thread, by uid: the next event index, whose job it is
         self._next_index: dict[str, int] = {}
         self._owner: dict[str, tuple[Keys, str]] = {}
+        self._attempt: dict[str, int] = {}  # the attempt registered last
         self._thread = threading.Thread(
             target=fatal.guarded("publisher", self._run, lambda: list(self._next_index)),
             name="pagedq-publisher", daemon=True)
         self._stop = threading.Event()
         self.cancel_hits: queue.SimpleQueue = queue.SimpleQueue()  # job ids to abort
-        self.lost: queue.SimpleQueue = queue.SimpleQueue()  # job ids fenced off by a newer attempt
+        # (uid, attempt) of jobs fenced off by a newer attempt
+        self.lost: queue.SimpleQueue = queue.SimpleQueue()
         self.rounds = 0  # round trips to Redis
         self.errors = 0
 
@@ -147,20 +158,23 @@ class Publisher:
 
     def _round(self, items: list[tuple]) -> None:
         pending: dict[tuple[str, int | None], _Pending] = {}
-        order: list[tuple[str, Any]] = []  # token flushes and finals in arrival order
+        # token flushes ((job, choice), its _Pending: an attempt's own, when a job's attempt
+        # changes within the round) and finals, in arrival order
+        order: list[tuple[str, Any]] = []
         calls, cancel_ids, flushes = [], [], []
         for it in items:
             kind = it[0]
             if kind == "reg":
                 uid = it[1].job(it[2])
                 self._next_index[uid], self._owner[uid] = it[4], (it[1], it[2])
+                self._attempt[uid] = it[3]
             elif kind == "tok":
                 for job_id, attempt, choice, delta, ids, lp, fr in it[1]:
                     key = (job_id, choice)
                     p = pending.get(key)
                     if p is None or p.attempt != attempt:
                         p = pending[key] = _Pending(attempt, choice)
-                        order.append(("tok", key))
+                        order.append(("tok", (key, p)))
                     p.delta.append(delta)
                     p.ids.extend(ids)
                     if lp is not None:
@@ -182,17 +196,22 @@ class Publisher:
 
     def _write(self, pending: dict[str, _Pending], order: list[tuple[str, Any]],
                calls: list, cancel_ids: list[str]) -> None:
-        pub = worker_scripts.Publish(self.s.out_maxlen, self.s.stream_idle_ttl_s)
+        # PUBLISH calls: one, or one per key space on a cluster; each with the job uid and
+        # attempt of each of its events, in add order
+        pubs: dict[str, tuple[worker_scripts.Publish, list[tuple[str, int]]]] = {}
         finals: list[Final] = []
-        published: list[str] = []  # job uid of each event, in add order
         for kind, obj in order:
             if kind == "tok":
-                p = pending[obj]
-                uid = obj[0]
+                (uid, _choice), p = obj
                 owner = self._owner.get(uid)
-                if owner is None:  # not registered: never started here, nothing to write
-                    continue
-                published.append(uid)
+                if owner is None or p.attempt != self._attempt.get(uid):
+                    continue  # never started here, or an earlier attempt: nothing to write
+                group = owner[0].base if self._per_slot else ""
+                if group not in pubs:
+                    pubs[group] = (worker_scripts.Publish(self.s.out_maxlen,
+                                                          self.s.stream_idle_ttl_s), [])
+                pub, published = pubs[group]
+                published.append((uid, p.attempt))
                 idx = self._next_index.get(uid, 0)
                 self._next_index[uid] = idx + 1
                 pub.add(*owner, p.attempt, idx, "".join(p.delta), p.ids, p.lp or None,
@@ -211,7 +230,7 @@ class Publisher:
         while True:
             try:
                 pipe = self.r.pipeline(transaction=False)
-                if published:
+                for pub, _ in pubs.values():
                     self._publish(*pub.call, client=pipe)
                 for f in finals:
                     self._finish(*worker_scripts.finish(
@@ -227,8 +246,10 @@ class Publisher:
                 if lua.noscript(res):  # Redis lost its script cache: load, send it all again
                     lua.load_all(self.r)
                     continue
+                if (down := lua.failed(res)) is not None:
+                    raise down
                 break
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except RETRYABLE as e:
                 self.errors += 1
                 log.warning("publish_retry", error=str(e), backoff_s=backoff)
                 time.sleep(backoff)
@@ -238,13 +259,16 @@ class Publisher:
             if isinstance(x, Exception):
                 self.errors += 1
                 log.error("publish_script_error", error=str(x))
-        base = 1 if published else 0
-        if published and isinstance(res[0], list):
-            for pos in pub.lost(res[0]):
-                self.lost.put(published[pos])
+        base = len(pubs)
+        for (pub, published), reply in zip(pubs.values(), res, strict=False):
+            if isinstance(reply, list):
+                for pos in pub.lost(reply):
+                    self.lost.put(published[pos])
         for f, verdict in zip(finals, res[base:base + len(finals)], strict=True):
-            self._next_index.pop(f.uid, None)
-            self._owner.pop(f.uid, None)
+            if self._attempt.get(f.uid) == f.attempt:  # (else a newer attempt runs here)
+                self._next_index.pop(f.uid, None)
+                self._owner.pop(f.uid, None)
+                self._attempt.pop(f.uid, None)
             if f.on_done is not None:
                 f.on_done(verdict if isinstance(verdict, str) else str(verdict))
         for jobs, hits in zip(asks.values(), res[len(res) - len(asks):], strict=True):

@@ -17,6 +17,7 @@ import structlog
 
 from engine.llm_engine import LLMEngine
 from producer import connection
+from producer.connection import RETRYABLE
 from producer.keys import GROUP, Keys
 from producer.schema import FinishReason, Status
 from producer.settings import Settings
@@ -29,7 +30,7 @@ from worker.pacing import StepPacer
 from worker.publisher import Final, Publisher
 
 log = structlog.get_logger("pagedq.worker")
-_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+_REDIS_DOWN = RETRYABLE  # an outage, a restart, a cluster master failing over
 
 
 def default_worker_id() -> str:
@@ -51,8 +52,9 @@ class Worker:
         # byte for byte) instead of failing the whole XREADGROUP reply
         self.r = connection.connect(s, decode_responses=True, encoding_errors="surrogateescape",
                                     health_check_interval=10, socket_timeout=30)
-        # the tenants served: one key prefix each (one prefix = a list of one)
-        tenants = tuple(Keys(p) for p in s.served_prefixes)
+        # the key spaces served: every partition of every tenant prefix (one prefix of one
+        # partition = a list of one)
+        tenants = tuple(k for p in s.served_prefixes for k in Keys(p).spaces(s.partitions))
         ident = self.ident = WorkerIdentity(self.r, tenants[0], s, s.model, self.worker_id,
                                             tenants)
         self.model, self.keys = ident.model, ident.keys
@@ -283,8 +285,10 @@ class Worker:
 
     def _apply_cancels(self) -> None:
         while not self.publisher.lost.empty():  # another worker took it over: stop, no result
-            job = self.jobs.pop(self.publisher.lost.get(), None)
-            if job is not None:
+            uid, attempt = self.publisher.lost.get()
+            job = self.jobs.get(uid)
+            if job is not None and job.attempt == attempt:  # (not a newer attempt of ours)
+                del self.jobs[uid]
                 self.engine.abort_request(job.uid)
                 self.log.warning("job_lost", job_id=job.job_id, prefix=job.keys.prefix,
                                  attempt=job.attempt)

@@ -111,7 +111,9 @@ def describe(engine: Any, cfg: Any, worker_id: str) -> str:
         f"max {c.max_num_seqs} seqs, {c.max_num_batched_tokens:,} tokens/step, "
         f"context {engine.max_model_len:,}",
         metrics,
-        f"{redact_url(s.redis_url)} prefix {prefixes}, lanes {','.join(s.lanes)}",
+        f"{redact_url(s.redis_url)}{' (cluster)' if s.redis_cluster else ''} prefix "
+        f"{prefixes}{f' x {s.partitions} partitions' if s.partitions > 1 else ''}, "
+        f"lanes {','.join(s.lanes)}",
     ])
 
 

@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 from ..client import Client
 from ..errors import InvalidRequest, ResultTimeout
-from ..keys import check_name
+from ..keys import check_name, new_job_id
 from ..settings import Settings
 from . import files as F
 from .ingest import cancel_jobs, load_manifest
@@ -46,7 +45,8 @@ class Batches:
         self.client = Client(redis_url, prefix=prefix, model=model, settings=settings)
         self.redis_url = redis_url or self.client.settings.redis_url
         self.bs = batch_settings or BatchSettings()
-        self.store = BatchStore(self.client.redis, self.client.keys)
+        self.store = BatchStore(self.client.redis, self.client.keys,
+                                self.client.settings.partitions)
         self._rt: Runtime | None = None
 
     @property
@@ -73,7 +73,7 @@ class Batches:
             raise InvalidRequest(f"this deployment has no {LANE!r} lane (PAGEDQ_LANES="
                                  f"{','.join(self.client.settings.lanes)})")
         queue = self.rt.queue(self.bs.batch_queue)  # (needs rq: fail before making anything)
-        batch_id = "batch_" + uuid.uuid4().hex
+        batch_id = new_job_id(self.client.settings.partitions, stem="batch_")
         files = F.BatchFiles(self.bs.dir_path() / batch_id)
         try:
             files.folder.mkdir(parents=True)
@@ -113,7 +113,7 @@ class Batches:
         ids = r.zrevrange(keys.batches, 0, max(0, limit - 1))
         with r.pipeline(transaction=False) as pipe:
             for i in ids:
-                pipe.hgetall(keys.batch(i))
+                pipe.hgetall(self.client.keys_of(i).batch(i))
             hashes = pipe.execute()
         gone = [i for i, h in zip(ids, hashes, strict=True) if not h]
         if gone:  # records past their TTL

@@ -81,7 +81,7 @@ class Tick:
     # -- collect
     def collect(self) -> bool:
         """Move ended jobs from the done list into the files; False if the lease was lost."""
-        r, keys, store = self.rt.r, self.rt.keys, self.rt.store
+        r, keys, store = self.rt.r, self.rt.bkeys(self.batch_id), self.rt.store
         while True:
             items = r.lrange(keys.batch_done(self.batch_id), 0, COLLECT_CHUNK - 1)
             if not items:
@@ -99,7 +99,7 @@ class Tick:
                 return False
 
     def shape(self, items: list[str]) -> tuple[list[dict], list[dict], int]:
-        r, keys, h = self.rt.r, self.rt.keys, self.h
+        r, keys, h = self.rt.r, self.rt.bkeys(self.batch_id), self.h
         found = [(ln, L.job_id(self.batch_id, ln.line)) for ln in
                  (self.manifest.get(int(x)) for x in items if x.isdigit()) if ln is not None]
         with r.pipeline(transaction=False) as pipe:
@@ -125,7 +125,7 @@ class Tick:
             return {}
         with self.rt.r.pipeline(transaction=False) as pipe:
             for jid in want:
-                pipe.xrange(self.rt.keys.out(jid))
+                pipe.xrange(self.rt.bkeys(self.batch_id).out(jid))
             logs = pipe.execute()
         return {jid: [fields for _, fields in log] for jid, log in zip(want, logs, strict=True)}
 
@@ -139,7 +139,7 @@ class Tick:
 
     def sweep(self, flag: str) -> None:
         cancel_jobs(self.rt.client, self.jobs_made())
-        self.rt.r.hset(self.rt.keys.batch(self.batch_id), flag, 1)
+        self.rt.r.hset(self.rt.bkeys(self.batch_id).batch(self.batch_id), flag, 1)
 
     # -- finalize
     def finalize(self) -> str | None:
@@ -148,7 +148,7 @@ class Tick:
             return None
         ended = int(h.get("completed") or 0) + int(h.get("failed") or 0)
         if ended < int(h.get("submitted") or 0) or self.rt.r.llen(
-                self.rt.keys.batch_done(self.batch_id)):
+                self.rt.bkeys(self.batch_id).batch_done(self.batch_id)):
             return None
         if h["status"] in (S.validating, S.in_progress):
             store.transition(self.batch_id, (S.validating, S.in_progress), S.finalizing)

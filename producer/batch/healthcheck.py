@@ -28,14 +28,15 @@ def check(settings: Settings, bs: BatchSettings, hostname: str) -> tuple[int, st
     from rq import Queue, Worker
     from rq.serializers import JSONSerializer
 
-    conn = None
+    conn, url = None, bs.batch_rq_url or settings.redis_url
     try:
-        conn = connect(settings, settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        url = bs.rq_url(settings.redis_url, settings.redis_cluster)
+        conn = connect(settings, url, cluster=False, socket_timeout=5, socket_connect_timeout=5)
         queue = Queue(bs.batch_queue, connection=conn, serializer=JSONSerializer)
         mine = [w.name for w in Worker.all(connection=conn, queue=queue)
                 if w.hostname == hostname]
     except Exception as e:  # noqa: BLE001 - any failure to look is "unhealthy", with its reason
-        return EXIT_UNHEALTHY, (f"cannot read rq workers at {redact_url(settings.redis_url)}: "
+        return EXIT_UNHEALTHY, (f"cannot read rq workers at {redact_url(url)}: "
                                 f"{type(e).__name__}: {e}")
     finally:
         if conn is not None:

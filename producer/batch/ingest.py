@@ -191,13 +191,7 @@ class FanOut:
         c = self.rt.client
         calls = [scripts.submit_call(c.keys, req, c.settings, batch=(self.batch_id, str(line)))
                  for line, req in reqs]
-
-        def send() -> list:
-            with c.redis.pipeline(transaction=False) as pipe:
-                for keys, args in calls:
-                    c._scripts.submit(keys, args, client=pipe)
-                return pipe.execute(raise_on_error=False)
-        return c._retry(send)
+        return c._retry(scripts.pipelined, c.redis, c._scripts.submit, calls)
 
     def stop(self, why: str, chunk: list[tuple[int, int, bytes]] | None = None) -> str:
         """Stop for good: count the jobs an interrupted chunk made beyond the cursor."""
@@ -216,7 +210,7 @@ class FanOut:
         r = self.rt.r
         with r.pipeline(transaction=False) as pipe:
             for line in lines:
-                pipe.exists(self.rt.keys.job(L.job_id(self.batch_id, line)))
+                pipe.exists(self.rt.bkeys(self.batch_id).job(L.job_id(self.batch_id, line)))
             found = pipe.execute()
         return [line for line, n in zip(lines, found, strict=True) if n]
 
@@ -229,19 +223,12 @@ class FanOut:
                                    **fields) == 1
 
     def status(self) -> str | None:
-        return self.rt.r.hget(self.rt.keys.batch(self.batch_id), "status")
+        return self.rt.r.hget(self.rt.bkeys(self.batch_id).batch(self.batch_id), "status")
 
 
 def cancel_jobs(c: Client, job_ids: list[str]) -> None:
     """CANCEL each job, pipelined (queued ones end at once, running ones are asked to stop;
     ended or missing ones are left alone)."""
     for i in range(0, len(job_ids), 1000):
-        part = job_ids[i:i + 1000]
-
-        def send(part: list[str] = part) -> None:
-            with c.redis.pipeline(transaction=False) as pipe:
-                for jid in part:
-                    keys, args = scripts.cancel_call(c.keys, jid, c.settings)
-                    c._scripts.cancel(keys, args, client=pipe)
-                pipe.execute(raise_on_error=False)
-        c._retry(send)
+        calls = [scripts.cancel_call(c.keys, jid, c.settings) for jid in job_ids[i:i + 1000]]
+        c._retry(scripts.pipelined, c.redis, c._scripts.cancel, calls)

@@ -28,16 +28,24 @@ FAILURE_TTL_S = 86400
 
 
 def make_queue(redis_url: str, name: str, settings: Settings) -> Any:
-    """The rq queue ``name`` on its own connection, with the settings' credentials and TLS
-    (rq hands that connection's arguments on to its scheduler process)."""
+    """The rq queue ``name`` on its own (never a cluster) connection to ``redis_url`` (see
+    BatchSettings.rq_url), with the settings' credentials and TLS (rq hands that
+    connection's arguments on to its scheduler process)."""
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    return Queue(name, connection=connect(settings, redis_url), serializer=JSONSerializer)
+    return Queue(name, connection=connect(settings, redis_url, cluster=False),
+                 serializer=JSONSerializer)
 
 
 def new_token() -> str:
     return uuid.uuid4().hex
+
+
+def _rq_safe(batch_id: str) -> str:
+    """A batch id inside an rq job id, which allows only [A-Za-z0-9_-] (a partitioned
+    batch id has ``.p<k>``)."""
+    return batch_id.replace(".", "-")
 
 
 @dataclass
@@ -53,11 +61,18 @@ class Runtime:
 
     @classmethod
     def build(cls, redis_url: str, client: Client, bs: BatchSettings) -> Runtime:
-        return cls(client, BatchStore(client.redis, client.keys), bs, redis_url)
+        return cls(client, BatchStore(client.redis, client.keys, client.settings.partitions),
+                   bs, redis_url)
 
     @property
     def keys(self) -> Keys:
+        """Partition 0's keys (the batches index); a batch's own: ``bkeys``."""
         return self.client.keys
+
+    def bkeys(self, batch_id: str) -> Keys:
+        """The keys of the partition of batch ``batch_id``: its record, done list and
+        jobs (``<batch id>.<line>`` name the same partition: producer/keys.py)."""
+        return self.client.keys_of(batch_id)
 
     @property
     def settings(self) -> Settings:
@@ -70,13 +85,14 @@ class Runtime:
     def queue(self, name: str | None = None) -> Any:
         name = name or self.bs.batch_queue
         if name not in self.queues:
-            self.queues[name] = make_queue(self.redis_url, name, self.settings)
+            url = self.bs.rq_url(self.redis_url, self.settings.redis_cluster)
+            self.queues[name] = make_queue(url, name, self.settings)
         return self.queues[name]
 
     def enqueue_ingest(self, queue: str, batch_id: str, token: str) -> None:
         self.queue(queue).enqueue_call(
             INGEST_FUNC, args=(self.keys.prefix, batch_id, token),
-            job_id=f"pagedq-ingest-{batch_id}-{new_token()[:12]}",
+            job_id=f"pagedq-ingest-{_rq_safe(batch_id)}-{new_token()[:12]}",
             timeout=int(self.bs.batch_ingest_slice_s) + 600, result_ttl=3600,
             failure_ttl=FAILURE_TTL_S, description=f"ingest {batch_id}")
 
@@ -84,7 +100,7 @@ class Runtime:
                      delay_s: float | None = None) -> None:
         """A tick now, or after ``delay_s`` through rq's scheduler. Ticks keep no result."""
         args = (self.keys.prefix, batch_id, chain)
-        kw = dict(job_id=f"pagedq-tick-{batch_id}-{new_token()[:12]}", result_ttl=0,
+        kw = dict(job_id=f"pagedq-tick-{_rq_safe(batch_id)}-{new_token()[:12]}", result_ttl=0,
                   failure_ttl=FAILURE_TTL_S, description=f"tick {batch_id}")
         if delay_s is None:
             self.queue(queue).enqueue_call(TICK_FUNC, args=args, timeout=600, **kw)

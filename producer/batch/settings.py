@@ -32,6 +32,10 @@ class BatchSettings(BaseSettings):
     batch_completion_window: str = "24h"
     # the rq queue of the control plane (ingest and tick jobs)
     batch_queue: str = "pagedq-batch"
+    # the Redis of the rq queues (default: the jobs' PAGEDQ_REDIS_URL). rq cannot use a
+    # Redis Cluster: with PAGEDQ_REDIS_CLUSTER set, give a plain Redis here (same
+    # credentials and TLS settings)
+    batch_rq_url: str | None = None
     # seconds between two ticks (collect progress, finalize) of a batch
     batch_poll_s: float = Field(1.0, gt=0)
     # an ingest or tick that has not shown life for this long is presumed dead and re-armed
@@ -46,6 +50,16 @@ class BatchSettings(BaseSettings):
     batch_expiry_grace_s: float = Field(10.0, ge=0)
     # a terminal batch's record is kept this long (its files stay until you delete them)
     batch_record_ttl_s: int = Field(30 * 86400, ge=60)
+
+    def rq_url(self, redis_url: str, cluster: bool) -> str:
+        """The rq queues' Redis URL (``batch_rq_url``, else ``redis_url``); ValueError when
+        that would be a Redis Cluster."""
+        if self.batch_rq_url:
+            return self.batch_rq_url
+        if cluster:
+            raise ValueError("PAGEDQ_REDIS_CLUSTER is set: rq cannot use a Redis Cluster; set "
+                             "PAGEDQ_BATCH_RQ_URL to a plain Redis for the batch queues")
+        return redis_url
 
     def dir_path(self) -> Path:
         return Path(self.batch_dir).expanduser().resolve()

@@ -1,4 +1,6 @@
-"""The batch record in Redis: the hash ``keys.batch(id)`` and the index ``keys.batches``.
+"""The batch record in Redis: the hash ``keys.batch(id)`` in the batch's partition (the
+one its id names, where its jobs are: producer/keys.py) and the index ``keys.batches`` in
+partition 0.
 
 Fields of the hash (all strings; times are Redis TIME, epoch seconds):
 
@@ -30,14 +32,15 @@ end
 local function fmt(x) return string.format('%.6f', x) end
 """
 
-# KEYS: 1 batch hash, 2 batches zset. ARGV: 1 id, 2 window_s, 3.. field/value pairs.
-# Reply: {"created", created_at} | {"exists", ""}
+# KEYS: 1 batch hash, 2 batches zset (only when both are in one partition: the caller
+# adds the id to the index itself otherwise). ARGV: 1 id, 2 window_s, 3.. field/value
+# pairs. Reply: {"created", created_at} | {"exists", ""}
 CREATE_LUA = _NOW + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists', ''} end
 local t = now()
 redis.call('HSET', KEYS[1], 'status', 'validating', 'created_at', fmt(t),
            'expires_at', fmt(t + tonumber(ARGV[2])), 'beat', fmt(t), unpack(ARGV, 3))
-redis.call('ZADD', KEYS[2], t, ARGV[1])
+if KEYS[2] then redis.call('ZADD', KEYS[2], t, ARGV[1]) end
 return {'created', fmt(t)}
 """
 
@@ -128,10 +131,11 @@ def _flat(pairs: dict[str, Any]) -> list[str]:
 
 
 class BatchStore:
-    """The record's Redis calls, on a sync redis-py client with decoded replies."""
+    """The record's Redis calls, on a sync redis-py client with decoded replies. ``keys``:
+    the tenant's (any partition); a batch's record is in the partition its id names."""
 
-    def __init__(self, r: Any, keys: Keys) -> None:
-        self.r, self.keys = r, keys
+    def __init__(self, r: Any, keys: Keys, partitions: int = 1) -> None:
+        self.r, self.keys, self.partitions = r, keys.home, partitions
         self._create = r.register_script(CREATE_LUA)
         self._lease = r.register_script(LEASE_LUA)
         self._release = r.register_script(RELEASE_LUA)
@@ -140,41 +144,51 @@ class BatchStore:
         self._clock = r.register_script(CLOCK_LUA)
         self._rearm = r.register_script(REARM_LUA)
 
+    def _k(self, batch_id: str) -> Keys:
+        return self.keys.of_job(batch_id, self.partitions)
+
     def create(self, batch_id: str, window_s: int, fields: dict[str, Any]) -> float:
-        reply = self._create([self.keys.batch(batch_id), self.keys.batches],
+        k = self._k(batch_id)
+        together = k.partition == 0  # the record and the index in one slot: one script
+        reply = self._create([k.batch(batch_id), *([self.keys.batches] if together else [])],
                              [batch_id, str(window_s), *_flat(fields)])
         if reply[0] != "created":
             raise ValueError(f"batch {batch_id} exists already")
+        if not together:
+            self.r.zadd(self.keys.batches, {batch_id: float(reply[1])})
         return float(reply[1])
 
     def get(self, batch_id: str) -> dict[str, str]:
-        return self.r.hgetall(self.keys.batch(batch_id))
+        return self.r.hgetall(self._k(batch_id).batch(batch_id))
 
     def lease(self, batch_id: str, field: str, token: str, ttl_s: float,
               **fields: Any) -> int:
-        return int(self._lease([self.keys.batch(batch_id)],
+        return int(self._lease([self._k(batch_id).batch(batch_id)],
                                [field, token, str(ttl_s), *_flat(fields)]))
 
     def release(self, batch_id: str, field: str, token: str) -> None:
-        self._release([self.keys.batch(batch_id)], [field, token])
+        self._release([self._k(batch_id).batch(batch_id)], [field, token])
 
     def commit(self, batch_id: str, token: str, n: int, cut: int) -> bool:
-        return bool(self._commit([self.keys.batch(batch_id), self.keys.batch_done(batch_id)],
+        k = self._k(batch_id)
+        return bool(self._commit([k.batch(batch_id), k.batch_done(batch_id)],
                                  [token, str(n), str(cut)]))
 
     def transition(self, batch_id: str, frm: tuple[str, ...], to: str, ttl_s: int = 0,
                    **fields: Any) -> tuple[bool, str]:
-        ok, st = self._transition([self.keys.batch(batch_id), self.keys.batch_done(batch_id)],
+        k = self._k(batch_id)
+        ok, st = self._transition([k.batch(batch_id), k.batch_done(batch_id)],
                                   [",".join(frm), to, str(ttl_s), *_flat(fields)])
         return ok == "ok", st
 
     def clock(self, batch_id: str, lease_field: str = "ingest_lease") -> tuple[float, float]:
         """(Redis time now, until when ``lease_field`` is held)."""
-        now, until = self._clock([self.keys.batch(batch_id)], [lease_field])
+        now, until = self._clock([self._k(batch_id).batch(batch_id)], [lease_field])
         return float(now), float(until)
 
     def rearm(self, batch_id: str, chain: str, stale_s: float, queue: str) -> bool:
-        return bool(self._rearm([self.keys.batch(batch_id)], [chain, str(stale_s), queue]))
+        return bool(self._rearm([self._k(batch_id).batch(batch_id)],
+                                [chain, str(stale_s), queue]))
 
     def recent_ids(self, since: float) -> list[str]:
         return self.r.zrangebyscore(self.keys.batches, since, "+inf")

@@ -69,10 +69,11 @@ def run_worker(redis_url: str, prefix: str, settings: Settings, bs: BatchSetting
     rt = runtime(prefix)
     # fail here, with one line, if Redis refuses the credentials or the TLS set-up
     # (RedisUnusable: "cannot use Redis at ..."), or is not there (a ConnectionError)
-    probe(settings, redis_url)
+    rq_url = bs.rq_url(redis_url, settings.redis_cluster)
+    probe(settings, rq_url)
     rt.r.ping()
     rearm_stale(rt)
-    worker = SimpleWorker([bs.batch_queue], connection=connect(settings, redis_url),
+    worker = SimpleWorker([bs.batch_queue], connection=connect(settings, rq_url, cluster=False),
                           serializer=JSONSerializer, name=name,
                           maintenance_interval=int(max(10, bs.batch_lease_s)))
     dog = Watchdog(rt, worker.log)

@@ -1,0 +1,60 @@
+"""The queue gauges of one worker serving two tenants (`--prefixes`): one series per
+queue, labelled prefix, model and lane, as its /metrics endpoint serves them. A real
+worker process and redis-server; nothing mocked, every wait a condition with a deadline."""
+from __future__ import annotations
+
+import urllib.request
+
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from producer.keys import Keys
+from tests.tiny_service import MODEL
+from tests.waiting import until
+from tests.worker_proc import WorkerProc
+from worker.redis_server import free_port
+
+A, B = "qm-a", "qm-b"
+QUEUE_GAUGES = ("pagedq:stream_length", "pagedq:pending_count", "pagedq:dlq_size",
+                "pagedq:oldest_pending_age_seconds")
+
+
+def queue_samples(port: int) -> dict[tuple[str, str, str, str], float]:
+    """(gauge, prefix, model, lane) -> value, from the worker's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        body = r.read().decode()
+    return {(s.name, s.labels["prefix"], s.labels["model"], s.labels["lane"]): s.value
+            for fam in text_string_to_metric_families(body) for s in fam.samples
+            if s.name in QUEUE_GAUGES}
+
+
+def test_a_worker_serving_two_prefixes_exports_each_prefixs_queue(redis_server, tiny_dir):
+    port = free_port()
+    w = WorkerProc(redis_server.url, A, model=tiny_dir,
+                   extra=["--served-name", MODEL, "--prefixes", f"{A},{B}",
+                          "--metrics-port", str(port)])
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        w.start()
+        # entries that are not jobs: each goes to its own tenant's DLQ, one of A's, two of B's
+        for prefix, n in ((A, 1), (B, 2)):
+            for i in range(n):
+                r.xadd(Keys(prefix).jobs(MODEL, "interactive"),
+                       {"job": f"bad-{i}", "body": "{not json"})
+        want = {A: 1, B: 2}
+
+        def both_dlqs():  # the gauges are read every 5 s
+            s = queue_samples(port)
+            got = {p: s.get(("pagedq:dlq_size", p, MODEL, "interactive")) for p in want}
+            return s if got == want else None
+        s = until(both_dlqs, "each prefix's DLQ size on /metrics", 30, 0.2)
+        assert {key[1] for key in s} == {A, B}
+        for name in QUEUE_GAUGES:  # every gauge: a series per prefix and lane, no sum
+            for prefix in (A, B):
+                for lane in ("interactive", "batch"):
+                    assert (name, prefix, MODEL, lane) in s, (name, prefix, lane)
+        assert s["pagedq:dlq_size", A, MODEL, "batch"] == 0
+        assert s["pagedq:pending_count", B, MODEL, "interactive"] == 0  # acknowledged
+    finally:
+        w.stop()
+        r.close()
