@@ -2,7 +2,7 @@
 # The GPU figures of issue 4 in one go (run from the repo root on the H200 machine; OUT is
 # the folder for JSON results). What each line measures is in bench/*.py's docstrings.
 #   bash bench/h200.sh [tests] [main] [ablations] [profile] [kernels] [service] [openloop]
-#                      [prefill]
+#                      [prefill] [rediscost]
 # (openloop: about 5 minutes by estimate, not yet timed: give it a call of its own; plot its
 # JSON where matplotlib is, with python bench/plot.py JSON)
 set -u
@@ -34,5 +34,10 @@ for s in $steps; do
               timeout 580 python3 bench/service.py --rate auto --duration 30 --settle 5 \
                 --out "$OUT" 2>&1 | grep -v -i warn | tail -12 ;;
     prefill) timeout 300 python3 bench/prefill.py --out "$OUT" 2>&1 | grep -v -i warn | tail -6 ;;
+    rediscost) export PAGEDQ_REDIS_SERVER=${PAGEDQ_REDIS_SERVER:-$PWD/.whl/redis-server}
+               # no GPU used: 1 redis-server vs a 3-master cluster (6 partitions), generators
+               # 3x for the cluster; about 1.5 minutes
+               timeout 580 python3 bench/redis_cost.py --target both --workers 2 --readers 2 \
+                 --duration 15 --out "$OUT" 2>&1 | grep -v -i warn | tail -12 ;;
   esac
 done
