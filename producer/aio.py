@@ -5,7 +5,6 @@ the I/O (awaiting the commands they ask for)."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -15,8 +14,10 @@ from .connection import (
     RedisUnusable,
     client_redis,
     diagnose_tls,
+    is_cluster,
     is_fatal,
     looks_cut_by_tls,
+    start_async_cluster,
 )
 from .keys import Keys
 from .reader import Backoff
@@ -38,6 +39,16 @@ class AsyncClient:
         self._url = pool["url"]
         self.redis = client_redis(self.settings, pool, asyncio=True)
         self._scripts = scripts.register(self.redis)
+        # a cluster client is started (slot map, connections) by one task before any
+        # command is sent: connection.start_async_cluster
+        self._started = not is_cluster(self.redis)
+        self._start_lock = asyncio.Lock()
+
+    async def _start(self) -> None:
+        async with self._start_lock:
+            if not self._started:
+                await start_async_cluster(self.redis, self._url)
+                self._started = True
 
     def keys_of(self, job_id: str) -> Keys:
         """The keys of the partition holding ``job_id`` (``self.keys``: partition 0)."""
@@ -49,6 +60,8 @@ class AsyncClient:
         backoff, diagnosed = Backoff(self.settings.client_retry_s), False
         while True:
             try:
+                if not self._started:
+                    await self._start()
                 return await call(*args, **kwargs)
             except RETRYABLE as e:
                 if is_fatal(e):
@@ -125,7 +138,7 @@ class AsyncClient:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for keys, args in calls:
                         queued = scripts.queue_script(pipe, script, keys, args)
-                        if inspect.isawaitable(queued):
+                        if queued is not None:  # a plain pipeline's call: awaited
                             await queued
                     replies = await pipe.execute(raise_on_error=False)
                 if not scripts.noscript(replies):

@@ -405,11 +405,37 @@ def connect_cluster(settings: Settings, url: str | None = None, **options: Any) 
         return RedisCluster.from_url(_cluster_url(url), **redis_kwargs(settings, url),
                                      **options)
     except RedisClusterException as e:
-        cause = e.__cause__ or e.__context__
-        if cause is not None and is_fatal(cause):
-            raise RedisUnusable(url, cause) from e
-        raise redis.ConnectionError(f"cannot reach the Redis Cluster at {redact_url(url)}: "
-                                    f"{' '.join(str(e).split())}") from e
+        raise _cluster_unreachable(url, e) from e
+    except redis.RedisError as e:
+        if is_fatal(e):
+            raise RedisUnusable(url, e) from e
+        raise
+
+
+def _cluster_unreachable(url: str, e: BaseException) -> redis.RedisError:
+    """What a cluster client's failed start (no node gave a slot map) means to our retry
+    loops: RedisUnusable when a node refused the credentials or TLS, else a
+    redis.ConnectionError (retryable)."""
+    cause = e.__cause__ or e.__context__
+    if cause is not None and is_fatal(cause):
+        return RedisUnusable(url, cause)
+    return redis.ConnectionError(f"cannot reach the Redis Cluster at {redact_url(url)}: "
+                                 f"{' '.join(str(e).split())}")
+
+
+async def start_async_cluster(r: Any, url: str) -> None:
+    """Load the slot map of an asyncio cluster client ``r`` (``connect_async``,
+    ``client_redis``) and connect to its nodes: what redis-py does lazily at the first
+    command. Its callers run it once, under a lock, before the client's first command
+    (producer/aio.py): redis-py's lazy start entered by many tasks at once failed some of
+    them (``'NoneType' object has no attribute 'writelines'``). Errors as
+    ``connect_cluster``'s."""
+    from redis.exceptions import RedisClusterException
+
+    try:
+        await r.initialize()
+    except RedisClusterException as e:
+        raise _cluster_unreachable(url, e) from e
     except redis.RedisError as e:
         if is_fatal(e):
             raise RedisUnusable(url, e) from e

@@ -55,10 +55,13 @@ def queue_script(pipe: Any, script: Any, keys: list[str], args: list[str]) -> An
     """Queue ``script`` (a redis-py Script or AsyncScript) on ``pipe``: through the Script
     on a plain pipeline (it loads missing scripts before executing), as a bare EVALSHA on
     a cluster pipeline (redis-py refuses Script objects there). Returns what the
-    pipeline's call returns (an awaitable on an asyncio pipeline of a plain client)."""
+    pipeline's call returns on a plain pipeline (an awaitable on an asyncio one: await
+    it), None on a cluster pipeline: its call returns the pipeline itself, and awaiting
+    an asyncio cluster pipeline empties its queue (nothing would be sent)."""
     if isinstance(pipe, redis.client.Pipeline | redis.asyncio.client.Pipeline):
         return script(keys, args, client=pipe)
-    return pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    return None
 
 
 def noscript(replies: list[Any]) -> bool:

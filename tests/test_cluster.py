@@ -29,7 +29,7 @@ from producer.errors import JobNotFound
 from producer.inspection import snapshot
 from producer.keys import Keys, new_job_id, partition_of
 from producer.schema import FinalEvent, JobRequest
-from producer.scripts import submit_call
+from producer.scripts import req_hash, submit_call, with_id
 from producer.settings import Settings
 from tests.cluster_fixture import Cluster
 from tests.test_batch_e2e import RqWorker
@@ -244,6 +244,52 @@ def test_cluster_submit_stream_result_over_partitions(env):
     assert asyncio.run(use_async()) == ref
     snap = snapshot(c.redis, c.keys, c.settings.lanes, MODEL, partitions=N)
     assert {w["worker"] for w in snap["workers"]} == {"wa", "wb"}
+
+
+def test_cluster_async_submit_many(env):
+    """AsyncClient.submit_many on a cluster: one pipeline split per master, every job
+    queued with its own record (its partition's, the hash of its body), then run."""
+    c = env.client()
+    ref = consistent(c, greedy(c, 12)).text
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    reqs = [dict(body) for _ in range(2 * N)] + [{**body, "id": "async-many-7"}]
+
+    async def submit() -> tuple[list[str], list[str]]:
+        async with AsyncClient(settings=env.settings()) as ac:
+            ids = await ac.submit_many(reqs)
+            again = await ac.submit_many([{**body, "id": i} for i in ids])  # idempotent
+            return ids, again
+    ids, again = asyncio.run(submit())
+    assert again == ids and ids[-1] == "async-many-7" and len(set(ids)) == len(reqs)
+    assert {partition_of(i, N) for i in ids} == set(range(N))
+    for jid in ids:
+        job = c.keys_of(jid).job(jid)
+        sent = with_id({**body, "id": jid}, MODEL, N)
+        assert c.redis.hget(job, "req_hash") == req_hash(sent.body_json())
+        assert c.redis.hget(job, "model") == MODEL
+    for jid in ids:
+        consistent(c, jid, ref)
+
+
+def test_cluster_async_client_many_first_calls_at_once(env):
+    """A fresh AsyncClient whose first calls come from 16 tasks at once: each succeeds
+    (redis-py's lazy cluster start, entered by every task together, failed one or two
+    of them: 'NoneType' object has no attribute 'writelines')."""
+    async def first_calls() -> list[object]:
+        async with AsyncClient(settings=env.settings()) as ac:
+            async def one(i: int) -> object:
+                if i % 2:
+                    return await ac.submit(PROMPT, max_tokens=2)
+                with pytest.raises(JobNotFound):
+                    await ac.status(f"never-{i}")
+                return None
+            return await asyncio.gather(*(one(i) for i in range(16)), return_exceptions=True)
+    c = env.client()
+    for _ in range(3):  # fresh clients: the failure was not every time
+        replies = asyncio.run(first_calls())
+        assert [r for r in replies if isinstance(r, BaseException)] == []
+        for jid in replies[1::2]:
+            assert c.result(jid, timeout=60).status == "finished"
 
 
 def test_cluster_kill9_worker_jobs_taken_over(env):
