@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from producer.batch import BatchSettings
-from producer.connection import connect_async
+from producer.connection import RedisUnusable, connect_async, start_async_cluster
 from producer.settings import Settings
 
 from . import batches, completions
@@ -59,6 +59,11 @@ def create_app(settings: Settings | None = None, gateway: GatewaySettings | None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if gw.settings.redis_cluster:  # before any request: a lazy start raced by many fails
+            try:
+                await start_async_cluster(gw.redis, gw.settings.redis_url)
+            except (redis.RedisError, RedisUnusable) as e:  # a request will retry the start
+                log.warning("redis_cluster_not_started %s", e)
         yield
         await gw.aclose()
 

@@ -292,6 +292,55 @@ def test_cluster_async_client_many_first_calls_at_once(env):
             assert c.result(jid, timeout=60).status == "finished"
 
 
+def test_cluster_gateway_serves_concurrent_first_requests(env, tmp_path):
+    """`pagedq gateway` on the cluster: 16 requests at once as its first traffic (the
+    cluster client is started before them), streamed and not, over the partitions."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    from tests.test_gateway import free_port
+
+    port = free_port()
+    log = tmp_path / "gateway.log"
+    env_vars = {**os.environ, "PYTHONPATH": ROOT, "PAGEDQ_REDIS_CLUSTER": "1",
+                "PAGEDQ_PARTITIONS": str(N)}
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "--redis-url", env.cluster.url, "gateway",
+             "--prefix", env.prefix, "--port", str(port), "--auth", "off", "--model", MODEL,
+             "--batch-dir", str(tmp_path / "batches")],
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env_vars)
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, log.read_text()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).is_success
+            except httpx.TransportError:
+                return False
+        until(up, "the gateway answered /health", 60, 0.05)
+
+        async def burst() -> list[str]:
+            sdk = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                              max_retries=0, timeout=120)
+
+            async def one(i: int) -> str:
+                kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+                if i % 2:
+                    stream = await sdk.completions.create(stream=True, **kw)
+                    return "".join([ch.choices[0].text async for ch in stream if ch.choices])
+                return (await sdk.completions.create(**kw)).choices[0].text
+            try:
+                return await asyncio.gather(*(one(i) for i in range(16)))
+            finally:
+                await sdk.close()
+        texts = asyncio.run(burst())
+        assert len(set(texts)) == 1 and texts[0], texts  # greedy: one text, all 16
+        assert "Traceback" not in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
 def test_cluster_kill9_worker_jobs_taken_over(env):
     a = next(w for w in env.workers if w.worker_id == "wa")
     c = env.client()
