@@ -19,7 +19,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda if available else cpu
     kv_cache_dtype: str = "auto"  # auto = model dtype; "fp8" = float8_e4m3fn, unit scale
     enforce_eager: bool = False  # disable CUDA graphs
-    use_triton: bool | None = None  # None: Triton kernels on CUDA, reference path on CPU
+    use_triton: bool | None = None  # None: Triton kernels on CUDA (CPU tensors: kernels/cpu.py)
     seed: int = 0  # seed of the generator for requests without their own seed
     # "dummy": random weights from config.json alone (benchmarks: no checkpoint needed)
     load_format: str = "auto"

@@ -2,7 +2,8 @@
 preparation and the forward pass of one ScheduledBatch.
 
 KV cache: one tensor [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim];
-each attention layer holds views of its k and v slices. Slot of token position p of a
+each attention layer holds views of its k and v slices (fp8: v as a transposed_view,
+kernels/layout.py). Slot of token position p of a
 sequence = block_table[p // block_size] * block_size + p % block_size.
 
 Tensor parallelism (EngineConfig.tensor_parallel_size > 1, engine/distributed.py): one
@@ -25,6 +26,7 @@ from engine.batch import ScheduledBatch
 from engine.config import EngineConfig
 from engine.inputs import InputBuilder, Packed
 from engine.layers import ops
+from engine.layers.packed import pack_model
 from engine.layers.attention import AttentionMetadata
 from engine.loader import load_model_files, resolve_model
 from engine.models import get_model_class
@@ -137,6 +139,8 @@ class ModelRunner:
             _init_dummy(model, seed=tp.rank)
         else:
             model.load_weights(weights)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            pack_model(model)  # MKL-packed copies for the GEMMs of a decode step
         self.model = model.eval()
         if tp.size > 1:
             self._link.barrier("loaded")  # no collective waits on a slow loader

@@ -1,7 +1,8 @@
 """Triton kernels and their pure-torch reference twins.
 
 Layouts shared by every kernel (checked by each wrapper):
-  k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim]
+  k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], contiguous or (V of an
+                     fp8 cache) a layout.transposed_view of such a tensor
   slot_mapping     : [num_tokens] int64, slot = block_id * block_size + offset; -1 = skip
   block_tables     : [num_seqs, max_blocks_per_seq] int32, unused entries -1
   seq_lens         : [num_seqs] int32, context length of each sequence INCLUDING this step

@@ -8,6 +8,20 @@ host sync). With S == 1 the program normalises and writes `out` directly; otherw
 writes a normalised partial [B, Hq, S, D] fp32 plus its log2-sum-exp [B, Hq, S], and
 `_reduce_kernel` (grid (B, Hq)) merges the splits.
 Scores live in the log2 domain: q.k is multiplied by scale * log2(e).
+
+Caches are read through their strides: K token-major, V token-major or transposed
+(kernels/layout.py). A tile of a transposed V is loaded as [D, BLOCK_N] with the BS tokens of
+each block contiguous, which is the operand order the P.V MMA wants: an 8-bit tile read
+token-major would have to be transposed byte by byte in shared memory. With a transposed V
+the loop runs over whole tiles without masks and the last, partial tile reads whole blocks
+and zeroes the slots past the split's end (they may hold any bits, NaN included); with a
+token-major V every tile is masked per token, as before.
+
+Speed (H200, docs/benchmarks.md "Decode attention"): the kernel is latency-bound per tile, not bandwidth-bound,
+once the cache is fp8: the same tile code reads bf16 at ~4.1 TB/s but fp8 at ~2.5 TB/s with
+the bf16 knobs, with or without e4m3 conversions (an fp8 tensor-core variant and an
+integer-only conversion were no faster). What pays is more programs per SM: fp8 runs one
+warp per program (3.0 TB/s of fp8 bytes, 0.70x the bf16 kernel's time); bf16 keeps 4.
 """
 from __future__ import annotations
 
@@ -17,10 +31,60 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import check_paged_qkv
+from kernels.layout import check_paged_qkv, is_transposed
 
 _LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a fully masked row never makes inf - inf
+
+
+@triton.jit
+def _tile(q, m_i, l_i, acc, start, hi, bt_row, k_base, v_base, qk_scale,
+          s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
+          BS: tl.constexpr, F32_DOT: tl.constexpr, V_T: tl.constexpr, MASKED: tl.constexpr):
+    """One BLOCK_N-token tile of online softmax; returns (m, l, acc). MASKED: the tile may
+    hold tokens >= hi (only blocks holding a token < hi are read)."""
+    tok = start + offs_n
+    slot = tok % BS
+    if MASKED:
+        tmask = tok < hi
+        blk = tl.load(bt_row + tok // BS, mask=tmask, other=0).to(tl.int64)
+        k = tl.load(k_base + blk[:, None] * s_kb + slot[:, None] * s_kt + offs_d[None, :] * s_kd,
+                    mask=tmask[:, None], other=0.0)
+    else:
+        blk = tl.load(bt_row + tok // BS).to(tl.int64)
+        k = tl.load(k_base + blk[:, None] * s_kb + slot[:, None] * s_kt + offs_d[None, :] * s_kd)
+    if F32_DOT:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where(tmask[None, :], s, _NEG)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_T:
+        voff = blk[None, :] * s_vb + slot[None, :] * s_vt + offs_d[:, None] * s_vd
+        voff = tl.max_contiguous(tl.multiple_of(voff, [1, BS]), [1, BS])
+        if MASKED:
+            bmask = tl.max_constancy((tok // BS) * BS < hi, [BS])
+            vt = tl.load(v_base + voff, mask=bmask[None, :], other=0.0)
+            vt = tl.where(tmask[None, :], vt, 0.0)
+        else:
+            vt = tl.load(v_base + voff)
+        v = tl.trans(vt)
+    else:
+        voff = blk[:, None] * s_vb + slot[:, None] * s_vt + offs_d[None, :] * s_vd
+        if MASKED:
+            v = tl.load(v_base + voff, mask=tmask[:, None], other=0.0)
+        else:
+            v = tl.load(v_base + voff)
+    if F32_DOT:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 # Step-varying arguments are not specialised (see prefill_attention._prefill_kernel).
@@ -28,11 +92,12 @@ _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a fully masked row neve
             do_not_specialize_on_alignment=["bt_ptr", "lens_ptr"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
                    qk_scale, v_scale,
-                   s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb, s_ob, s_oh,
-                   splits,
+                   s_qb, s_qh, s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd, s_btb,
+                   s_ob, s_oh, splits,
                    HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                    D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SINGLE: tl.constexpr, F32_DOT: tl.constexpr, FP8_KV: tl.constexpr):
+                   SINGLE: tl.constexpr, F32_DOT: tl.constexpr, FP8_KV: tl.constexpr,
+                   V_T: tl.constexpr):
     kvh = tl.program_id(0)  # fastest: the Hkv programs of a sequence read each block together
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -57,31 +122,21 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
     k_base = k_ptr + kvh * s_kh
     v_base = v_ptr + kvh * s_vh
-    for start in tl.range(lo, hi, BLOCK_N):
-        tok = start + offs_n
-        tmask = tok < hi
-        # block id of every token of the tile; only tokens < seq_len are ever dereferenced
-        blk = tl.load(bt_row + tok // BS, mask=tmask, other=0).to(tl.int64)
-        slot = tok % BS
-        k = tl.load(k_base + blk[:, None] * s_kb + slot[:, None] * s_kt + offs_d[None, :],
-                    mask=tmask[:, None], other=0.0)
-        if F32_DOT:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        s = tl.where(tmask[None, :], s * qk_scale, _NEG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + blk[:, None] * s_vb + slot[:, None] * s_vt + offs_d[None, :],
-                    mask=tmask[:, None], other=0.0)
-        if F32_DOT:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    if V_T:  # unmasked whole tiles, then one masked tile (V's partial block: any bits)
+        full = lo + (hi - lo) // BLOCK_N * BLOCK_N
+        for start in tl.range(lo, full, BLOCK_N):
+            m_i, l_i, acc = _tile(q, m_i, l_i, acc, start, hi, bt_row, k_base, v_base,
+                                  qk_scale, s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
+                                  BS, F32_DOT, V_T, False)
+        if full < hi:
+            m_i, l_i, acc = _tile(q, m_i, l_i, acc, full, hi, bt_row, k_base, v_base,
+                                  qk_scale, s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
+                                  BS, F32_DOT, V_T, True)
+    else:  # token-major V: every tile masked (the split loop made bf16 slower at B = 256)
+        for start in tl.range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _tile(q, m_i, l_i, acc, start, hi, bt_row, k_base, v_base,
+                                  qk_scale, s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
+                                  BS, F32_DOT, V_T, True)
 
     # empty range (L_b == 0 or an idle split): 0; v_scale folded in here, k_scale in qk_scale
     o = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
@@ -137,8 +192,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_ctx: int, num_sms: int,
     One wave of >= 100 programs keeps far more than the ~4 MB needed in flight (each has a
     32 KiB K+V tile outstanding), so extra splits would only add the reduction's cost. No
     split is shorter than max(4 tiles, 256 tokens). An fp8 cache passes per_sm=8: its
-    programs are bound by the e4m3 conversions, not by bytes, so more of them pay
-    (bench/kernels.py --fp8-sweep: best at 2 splits for 64 x 4096, 8 for 16 x 16384).
+    one-warp programs are latency-bound, not bound by bytes, so more of them pay (the H200
+    sweep: 8 a little ahead of 16 at 64 x 4096 and 16 x 16384).
     """
     programs = batch * kv_heads
     fill = (per_sm * num_sms) // programs
@@ -188,15 +243,19 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
     # (triton 3.9 reads bf16 operands as integers).
     f32_dot = q.dtype == torch.float32 or q.device.type == "cpu"
     fp8 = k_cache.dtype == torch.float8_e4m3fn and not f32_dot
+    v_t = is_transposed(v_cache)
     if num_splits is None:
         num_splits = choose_num_splits(B, hkv, max_ctx, _num_sms(q.device), block_n,
                                        per_sm=8 if fp8 else 3)
     if num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
+    # bench/kernels.py --fp8-sweep picked these (module doc); fp8 with a token-major V keeps
+    # the defaults of the kernel before the transposed layout
+    small = fp8 and v_t and d <= 128
     if num_warps is None:
-        num_warps = 4
+        num_warps = 1 if small else 4
     if num_stages is None:
-        num_stages = (5 if fp8 else 3) if d <= 128 else 2
+        num_stages = 2 if small or d > 128 else 5 if fp8 else 3
     g_pad = max(16, triton.next_power_of_2(g))
     if num_splits > 1:
         part = torch.empty(B, hq, num_splits, d, dtype=torch.float32, device=q.device)
@@ -206,11 +265,10 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
     _decode_kernel[(hkv, B, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
         scale * k_scale * _LOG2E, v_scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        q.stride(0), q.stride(1), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         out.stride(0), out.stride(1), num_splits,
         HQ=hq, G=g, G_PAD=g_pad, D=d, BS=bs, BLOCK_N=block_n, SINGLE=num_splits == 1,
-        F32_DOT=f32_dot, FP8_KV=fp8, num_warps=num_warps, num_stages=num_stages)
+        F32_DOT=f32_dot, FP8_KV=fp8, V_T=v_t, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(B, hq)](part, lse, out, out.stride(0), out.stride(1), num_splits,
                                 HQ=hq, D=d, S_PAD=max(2, triton.next_power_of_2(num_splits)),

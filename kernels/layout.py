@@ -1,4 +1,13 @@
-"""Layout checks shared by the paged-attention wrappers (see kernels/__init__.py)."""
+"""Layout checks shared by the paged-attention wrappers (see kernels/__init__.py).
+
+A cache is always indexed as [num_blocks, block_size, Hkv, D]; two memory layouts exist:
+  token-major (contiguous): slot s of a block holds its Hkv*D values together;
+  transposed (``transposed_view``): block b, KV head h holds one [D, block_size] tile, the
+    tokens of each dimension contiguous. The fp8 V cache uses it: the decode kernel's P.V
+    product needs V with tokens contiguous, and 8-bit values cannot be transposed on the
+    fly by the tensor-core loads (kernels/decode_attention.py).
+Every kernel and twin reads and writes through the strides, so both work anywhere.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,6 +38,23 @@ def check_paged_qkv(bad: Callable[[str], None], q: torch.Tensor, k_cache: torch.
         bad(f"Hq={hq} must be a multiple of Hkv={hkv}")
     if q.stride(2) != 1:
         bad("q's last dim must be contiguous")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        bad("k_cache and v_cache must be contiguous")
+    if not (is_paged_layout(k_cache) and is_paged_layout(v_cache)):
+        bad("k_cache and v_cache must each be contiguous or a transposed_view, got strides "
+            f"{k_cache.stride()} and {v_cache.stride()}")
     return hq, d, bs, hkv
+
+
+def transposed_view(storage: torch.Tensor) -> torch.Tensor:
+    """The [num_blocks, block_size, Hkv, D] cache whose memory is ``storage``'s (any
+    contiguous tensor of that shape), laid out per block and head as [D, block_size]."""
+    nb, bs, h, d = storage.shape
+    return storage.view(nb, h, d, bs).permute(0, 3, 1, 2)
+
+
+def is_transposed(cache: torch.Tensor) -> bool:
+    return cache.dim() == 4 and cache.permute(0, 2, 3, 1).is_contiguous() \
+        and not cache.is_contiguous()
+
+
+def is_paged_layout(cache: torch.Tensor) -> bool:
+    return cache.dim() == 4 and (cache.is_contiguous() or is_transposed(cache))

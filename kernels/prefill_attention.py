@@ -41,11 +41,11 @@ def _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "s_btb"],
             do_not_specialize_on_alignment=["bt_ptr", "lens_ptr", "cu_ptr"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr, qk_scale,
-                    v_scale, num_seqs, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_btb,
-                    s_ot, s_oh,
+                    v_scale, num_seqs, s_qt, s_qh, s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh,
+                    s_vd, s_btb, s_ot, s_oh,
                     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                    F32_DOT: tl.constexpr):
+                    F32_DOT: tl.constexpr, V_T: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q)
@@ -80,7 +80,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr, qk_s
         kmask = kt < kv_end
         blk = tl.load(bt_row + kt // BS, mask=kmask, other=0).to(tl.int64)
         slot = kt % BS
-        k = tl.load(k_base + blk[:, None] * s_kb + slot[:, None] * s_kt + offs_d[None, :],
+        k = tl.load(k_base + blk[:, None] * s_kb + slot[:, None] * s_kt + offs_d[None, :] * s_kd,
                     mask=kmask[:, None], other=0.0)
         if F32_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -92,8 +92,16 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr, qk_s
         alpha = tl.exp2(m_i - m_new)
         p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + blk[:, None] * s_vb + slot[:, None] * s_vt + offs_d[None, :],
-                    mask=kmask[:, None], other=0.0)
+        if V_T:  # transposed V cache: [D, BLOCK_N] tiles, BS tokens contiguous per block
+            voff = blk[None, :] * s_vb + slot[None, :] * s_vt + offs_d[:, None] * s_vd
+            voff = tl.max_contiguous(tl.multiple_of(voff, [1, BS]), [1, BS])
+            # whole blocks holding a key < kv_end; the slots past it may hold any bits
+            bmask = tl.max_constancy((kt // BS) * BS < kv_end, [BS])
+            vt = tl.load(v_base + voff, mask=bmask[None, :], other=0.0)
+            v = tl.trans(tl.where(kmask[None, :], vt, 0.0))
+        else:
+            v = tl.load(v_base + blk[:, None] * s_vb + slot[:, None] * s_vt
+                        + offs_d[None, :] * s_vd, mask=kmask[:, None], other=0.0)
         if F32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -156,9 +164,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
         scale * k_scale * _LOG2E, v_scale, B,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        q.stride(0), q.stride(1), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=g, D=d, BS=bs, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        F32_DOT=f32_dot, num_warps=4, num_stages=2 if d > 128 else 3)
+        F32_DOT=f32_dot, V_T=v_cache.stride(1) == 1, num_warps=4,
+        num_stages=2 if d > 128 else 3)
     return out

@@ -1,5 +1,6 @@
-"""Pure-torch twins of every kernel. The CPU engine runs these; tests compare the Triton
-kernels against them. Written for clarity, not speed (loops over sequences)."""
+"""Pure-torch twins of every kernel: the contract of each. Tests compare the Triton kernels
+and the CPU path (kernels/cpu.py, which the CPU engine runs) against them. Written for
+clarity, not speed (loops over sequences)."""
 from __future__ import annotations
 
 import torch
@@ -7,12 +8,14 @@ import torch
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write key/value [T, Hkv, D] into the caches at slot_mapping [T]; slot -1 is skipped."""
-    nb, bs, h, d = k_cache.shape
+    """Write key/value [T, Hkv, D] into the caches at slot_mapping [T]; slot -1 is skipped.
+    Indexes (block, offset), so a transposed_view cache (kernels/layout.py) works too."""
+    bs = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(nb * bs, h, d)[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(nb * bs, h, d)[slots] = value[keep].to(v_cache.dtype)
+    blk, off = slots // bs, slots % bs
+    k_cache[blk, off] = key[keep].to(k_cache.dtype)
+    v_cache[blk, off] = value[keep].to(v_cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 key, value : [T, Hkv, D]; token stride free (views of a fused qkv buffer are fine), each
              token's [Hkv, D] rows contiguous.
-k_cache, v_cache : [num_blocks, block_size, Hkv, D] contiguous, so slot s owns the Hkv*D
-             elements starting at s * Hkv * D. slot_mapping [T] int64; -1 skips the token.
+k_cache, v_cache : [num_blocks, block_size, Hkv, D], each contiguous or a transposed_view
+             (kernels/layout.py): element (slot, h, d) is written through the cache's
+             strides. slot_mapping [T] int64; -1 skips the token.
 Grid (T, cdiv(Hkv*D, BLOCK)); values are cast to the cache dtype on store.
 """
 from __future__ import annotations
@@ -12,14 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import CACHE, FLOAT
+from kernels.layout import CACHE, FLOAT, is_paged_layout
 
 
 # slot_mapping is a slice of a packed buffer: its alignment changes with T, which must not
-# compile a new variant mid-run.
+# compile a new variant mid-run. Cache strides equal to 1 are specialised (Triton's
+# default), so a token-major cache keeps its vectorised row stores.
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, s_kt, s_vt, k_inv, v_inv,
-                  ROW: tl.constexpr, BLOCK: tl.constexpr, SCALED: tl.constexpr):
+                  s_kcb, s_kco, s_kch, s_kcd, s_vcb, s_vco, s_vch, s_vcd,
+                  ROW: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                  BLOCK: tl.constexpr, SCALED: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
@@ -28,12 +32,17 @@ def _store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, s_kt, s_vt, k_inv, v_i
     mask = offs < ROW
     k = tl.load(k_ptr + t.to(tl.int64) * s_kt + offs, mask=mask)
     v = tl.load(v_ptr + t.to(tl.int64) * s_vt + offs, mask=mask)
-    dst = slot * ROW + offs  # slot is int64: no overflow on large caches
+    blk = slot // BS  # int64: no overflow on large caches
+    off = slot % BS
+    h = offs // D
+    d = offs % D
+    k_dst = blk * s_kcb + off * s_kco + h * s_kch + d * s_kcd
+    v_dst = blk * s_vcb + off * s_vco + h * s_vch + d * s_vcd
     if SCALED:
         k = k.to(tl.float32) * k_inv
         v = v.to(tl.float32) * v_inv
-    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc_ptr + k_dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + v_dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 
@@ -63,8 +72,9 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     for name, x in (("key", key), ("value", value)):
         if x.stride(2) != 1 or x.stride(1) != d:
             bad(f"{name}'s [Hkv, D] rows must be contiguous, got strides {x.stride()}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        bad("k_cache and v_cache must be contiguous")
+    if not (is_paged_layout(k_cache) and is_paged_layout(v_cache)):
+        bad("k_cache and v_cache must each be contiguous or a transposed_view, got strides "
+            f"{k_cache.stride()} and {v_cache.stride()}")
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (T,) \
             or not slot_mapping.is_contiguous():
         bad(f"slot_mapping must be contiguous int64 [T={T}], got {slot_mapping.dtype} "
@@ -78,5 +88,6 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     block = min(triton.next_power_of_2(row), 4096)
     _store_kernel[(T, triton.cdiv(row, block))](
         key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
-        1.0 / k_scale, 1.0 / v_scale, ROW=row, BLOCK=block,
+        1.0 / k_scale, 1.0 / v_scale, *k_cache.stride(), *v_cache.stride(),
+        ROW=row, D=d, BS=k_cache.shape[1], BLOCK=block,
         SCALED=k_scale != 1.0 or v_scale != 1.0, num_warps=4)

@@ -30,6 +30,7 @@ import kernels.rotary as rot  # noqa: E402
 import kernels.sampling as samp  # noqa: E402
 import kernels.store_kvcache as store  # noqa: E402
 from kernels import reference as R  # noqa: E402
+from kernels.layout import transposed_view  # noqa: E402
 
 if INTERP:
     from triton.runtime.interpreter import InterpretedFunction
@@ -63,8 +64,17 @@ def relerr(out, ref):
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def make_batch(ctx, qlens, hq, hkv, d, bs, dtype, dev=DEV, kv_dtype=None):
-    """Scrambled paged caches; every slot no sequence owns is NaN."""
+def as_transposed(cache):
+    """The same cache (bits included: NaN poison survives) in the transposed layout."""
+    t = transposed_view(torch.empty(cache.shape, dtype=cache.dtype, device=cache.device))
+    t.view(torch.uint8 if cache.element_size() == 1 else cache.dtype).copy_(
+        cache.view(torch.uint8) if cache.element_size() == 1 else cache)
+    return t
+
+
+def make_batch(ctx, qlens, hq, hkv, d, bs, dtype, dev=DEV, kv_dtype=None, v_t=False):
+    """Scrambled paged caches; every slot no sequence owns is NaN. v_t: V in the transposed
+    layout (kernels/layout.py), as the engine keeps an fp8 V cache."""
     kv_dtype = kv_dtype or dtype
     nblk = [triton.cdiv(L, bs) for L in ctx]
     nb = sum(nblk) + 3
@@ -86,12 +96,15 @@ def make_batch(ctx, qlens, hq, hkv, d, bs, dtype, dev=DEV, kv_dtype=None):
             c.view(nb * bs, hkv, d)[~used] = float("nan")
     cu = torch.tensor([0] + qlens, device=dev).cumsum(0).int()
     q = torch.randn(int(cu[-1]), hq, d, device=dev).to(dtype)
+    if v_t:
+        vc = as_transposed(vc)
     return q, kc, vc, bt, torch.tensor(ctx, dtype=torch.int32, device=dev), cu
 
 
-def check_decode(ctx, hq, hkv, d, bs, dtype, kv_dtype=None, ks=1.0, vs=1.0, **knobs):
+def check_decode(ctx, hq, hkv, d, bs, dtype, kv_dtype=None, ks=1.0, vs=1.0, v_t=False,
+                 **knobs):
     q, kc, vc, bt, lens, _ = make_batch(ctx, [1] * len(ctx), hq, hkv, d, bs, dtype,
-                                        kv_dtype=kv_dtype)
+                                        kv_dtype=kv_dtype, v_t=v_t)
     ref = R.paged_decode_attention(q.float(), kc.float() * ks, vc.float() * vs, bt, lens,
                                    d ** -0.5)
     out = dec.decode_launch(q, kc, vc, bt, lens, d ** -0.5, k_scale=ks, v_scale=vs, **knobs)
@@ -99,8 +112,10 @@ def check_decode(ctx, hq, hkv, d, bs, dtype, kv_dtype=None, ks=1.0, vs=1.0, **kn
     assert relerr(out, ref) < TOL[dtype]
 
 
-def check_prefill(ctx, qlens, hq, hkv, d, bs, dtype, kv_dtype=None, ks=1.0, vs=1.0):
-    q, kc, vc, bt, lens, cu = make_batch(ctx, qlens, hq, hkv, d, bs, dtype, kv_dtype=kv_dtype)
+def check_prefill(ctx, qlens, hq, hkv, d, bs, dtype, kv_dtype=None, ks=1.0, vs=1.0,
+                  v_t=False):
+    q, kc, vc, bt, lens, cu = make_batch(ctx, qlens, hq, hkv, d, bs, dtype, kv_dtype=kv_dtype,
+                                         v_t=v_t)
     ref = R.paged_attention(q.float(), kc.float() * ks, vc.float() * vs, bt, lens, cu,
                             d ** -0.5)
     out = pre.paged_attention(q, kc, vc, bt, lens, cu, d ** -0.5, k_scale=ks, v_scale=vs)
@@ -108,11 +123,13 @@ def check_prefill(ctx, qlens, hq, hkv, d, bs, dtype, kv_dtype=None, ks=1.0, vs=1
     assert relerr(out, ref) < TOL[dtype]
 
 
-def check_store(T, hkv, d, bs, dtype, cache_dtype, ks=1.0, vs=1.0):
+def check_store(T, hkv, d, bs, dtype, cache_dtype, ks=1.0, vs=1.0, v_t=False):
     nb = triton.cdiv(T, bs) + 2
     kc = torch.randn(nb, bs, hkv, d, device=DEV).to(cache_dtype)
     vc = torch.randn(nb, bs, hkv, d, device=DEV).to(cache_dtype)
-    kc2, vc2 = kc.clone(), vc.clone()
+    if v_t:
+        vc = as_transposed(vc)
+    kc2, vc2 = kc.clone(), as_transposed(vc) if v_t else vc.clone()
     qkv = torch.randn(T, (2 + 2 * hkv) * d, device=DEV)
     if cache_dtype == FP8 and INTERP:  # the interpreter's fp8 rounding is wrong: exact inputs
         qkv = qkv.to(FP8).float()
@@ -130,10 +147,9 @@ def check_store(T, hkv, d, bs, dtype, cache_dtype, ks=1.0, vs=1.0):
             raise
         warnings.warn(f"reference store_kvcache failed on {DEV} fp8 ({exc}); "
                       "comparing with a uint8-view twin", stacklevel=1)
-        keep = slots >= 0
+        kept = slots[slots >= 0]
         for c, x in ((kc2, ks_in), (vc2, vs_in)):
-            c.view(torch.uint8).view(nb * bs, hkv, d)[slots[keep]] = \
-                x[keep].to(FP8).view(torch.uint8)
+            c.view(torch.uint8)[kept // bs, kept % bs] = x[slots >= 0].to(FP8).view(torch.uint8)
     bits = torch.uint8 if cache_dtype == FP8 else cache_dtype  # fp8 has no torch.equal
     assert torch.equal(kc.view(bits), kc2.view(bits))
     assert torch.equal(vc.view(bits), vc2.view(bits))
@@ -206,6 +222,18 @@ def test_fp8_cache_cpu(poison):
     check_prefill([9, 30, 1], [9, 4, 1], 4, 2, 32, 16, HF, kv_dtype=FP8, ks=1.5, vs=0.25)
     check_store(9, 2, 32, 16, BF, FP8)
     check_store(9, 2, 32, 16, F32, FP8, ks=0.5, vs=0.25)  # exact: scaled values on the grid
+
+
+@cpu
+def test_transposed_v_cache_cpu(poison):
+    """The engine's fp8 layout (V as [D, block_size] tiles); the last blocks of the
+    sequences hold NaN past their length, which a tile that reads whole blocks must drop."""
+    check_decode(CTX, 8, 2, 64, 16, BF, kv_dtype=FP8, ks=0.5, vs=2.0, v_t=True)
+    check_decode(CTX, 4, 2, 32, 8, F32, v_t=True, num_splits=3)
+    check_prefill([9, 30, 1, 47], [9, 4, 1, 30], 4, 2, 32, 16, HF, kv_dtype=FP8, v_t=True)
+    check_prefill([5, 21, 47], [5, 1, 30], 4, 2, 32, 8, F32, v_t=True)
+    check_store(9, 2, 32, 16, BF, FP8, v_t=True)
+    check_store(11, 3, 32, 16, F32, F32, v_t=True)
 
 
 @cpu
@@ -351,4 +379,21 @@ def test_fp8_cache_gpu(poison):
                   ks=1.5, vs=0.25)
     check_store(1000, 8, 128, 16, BF, FP8)
     check_store(77, 3, 64, 32, F32, FP8, ks=0.5, vs=4.0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp8_transposed_v_gpu(poison):
+    """The engine's fp8 cache (V transposed) through the default knobs (one-warp programs,
+    whole-tile loop plus a masked last tile), split and single, every GQA shape."""
+    for hq, hkv, d in HEADS:
+        check_decode(GPU_CTX, hq, hkv, d, 16, BF, kv_dtype=FP8, ks=0.5, vs=2.0, v_t=True)
+        check_decode(GPU_CTX, hq, hkv, d, 16, HF, kv_dtype=FP8, v_t=True, num_splits=1)
+    ctx = torch.randint(1, 4097, (64,)).tolist()
+    check_decode(ctx, 16, 8, 128, 16, BF, kv_dtype=FP8, v_t=True)
+    check_decode(ctx, 16, 8, 128, 32, BF, kv_dtype=FP8, v_t=True, num_splits=5)
+    check_prefill([1000, 300, 4077, 1, 642], [1, 300, 77, 1, 513], 16, 8, 128, 16, BF,
+                  kv_dtype=FP8, ks=1.5, vs=0.25, v_t=True)
+    check_store(1000, 8, 128, 16, BF, FP8, v_t=True)
+    check_store(77, 3, 64, 32, F32, FP8, ks=0.5, vs=4.0, v_t=True)
 

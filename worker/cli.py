@@ -182,7 +182,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule step N+1 before step N's tokens reach the host "
                         "(default: on for CUDA, off on the CPU)")
     p.add_argument("--use-triton", action=onoff, default=None,
-                   help="Triton kernels (default: on for CUDA, the reference path on the CPU)")
+                   help="Triton kernels (default: on for CUDA; the CPU runs kernels/cpu.py)")
     p.add_argument("--seed", type=int, default=None,
                    help="noise seed of jobs without their own seed (default: random per process, "
                         "so workers never share a noise stream)")

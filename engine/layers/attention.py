@@ -1,6 +1,7 @@
 """Paged attention over the KV cache, and the per-step metadata every layer shares.
 
-Layouts (kernels/__init__.py): k_cache/v_cache [num_blocks, block_size, Hkv, D];
+Layouts (kernels/__init__.py): k_cache/v_cache [num_blocks, block_size, Hkv, D] (an fp8
+v_cache is a transposed view: kernels/layout.py);
 slot_mapping [T] int64 (-1 = skip); block_tables [B, max_blocks] int32 (-1 padded);
 seq_lens [B] int32 (context incl. this step); cu_seqlens_q [B+1] int32.
 Invariant (engine/batch.py): a layer writes the K/V of ALL tokens of the step before any

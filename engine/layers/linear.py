@@ -8,7 +8,8 @@ loader.LazyTensor (then only the slice is read from the file). A checkpoint tens
 wrong full shape is a ShapeError.
 
 With one rank every layer is the plain single-device layer: F.linear / F.embedding on
-the whole weight, no mask, no collective.
+the whole weight, no mask, no collective. ``packed``: the weight's MKL-packed copy that a
+CPU float32 model multiplies with instead (engine/layers/packed.py; None elsewhere).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.packed import linear
 from engine.parallel import SINGLE, TensorParallel
 
 
@@ -43,9 +45,10 @@ class ColumnParallelLinear(nn.Module):
         out = sum(r for _, _, r in self.shards)
         self.weight = nn.Parameter(torch.empty(out, in_features))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
+        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
     def load_shard(self, name: str, src, shard: int = 0) -> None:
         full, start, rows = self.shards[shard]
@@ -66,11 +69,12 @@ class RowParallelLinear(nn.Module):
         self.cols = in_features if cols is None else cols
         self.weight = nn.Parameter(torch.empty(out_features, self.cols))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed)
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed))
         return y + self.bias if self.bias is not None else y
 
     def load_shard(self, name: str, src, shard: int = 0) -> None:
@@ -115,9 +119,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     """An untied LM head: the same row partition as the embedding (see ``logits``)."""
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor,
-                          tp: TensorParallel) -> torch.Tensor | None:
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TensorParallel,
+                          packed: torch.Tensor | None = None) -> torch.Tensor | None:
     """hidden [N, H] x this rank's vocab rows -> rank 0: logits [N, per * ranks] (columns
     >= vocab are padding, never read by the sampler); other ranks: None. One rank: the
     plain [N, vocab] product."""
-    return tp.gather_last_dim(F.linear(hidden, weight))
+    return tp.gather_last_dim(linear(hidden, weight, None, packed))

@@ -1,8 +1,10 @@
 """Kernel dispatch: one module-level switch picks the Triton kernels or the reference twins.
 
-Triton kernels run only when the switch is on AND the tensor is on CUDA; everything else
-(CPU, the switch off) runs kernels/reference.py. Triton modules are imported lazily on
-first use, so the CPU path never imports triton. The switch is process-wide: the model
+Triton kernels run only when the switch is on AND the tensor is on CUDA; CPU tensors run
+kernels/cpu.py (batched torch ops, tested against the twins); everything else (CUDA with
+the switch off) runs kernels/reference.py. An op named in PAGEDQ_DISABLE_KERNELS runs its
+twin on every device. Triton modules are imported lazily on first use, so the CPU path
+never imports triton. The switch is process-wide: the model
 runner sets it once from EngineConfig.use_triton.
 Signatures are those of kernels/reference.py (the Triton wrappers share them).
 """
@@ -14,7 +16,7 @@ import os
 
 import torch
 
-from kernels import reference
+from kernels import cpu, reference
 
 # op name -> Triton module under kernels/
 TRITON_MODULES = {
@@ -52,6 +54,8 @@ def triton_available() -> bool:
 
 def _op(name: str, x: torch.Tensor):
     if not (_use_triton and x.is_cuda) or name in _disabled:
+        if x.device.type == "cpu" and name not in _disabled:
+            return getattr(cpu, name)
         return getattr(reference, name)
     fn = _triton_ops.get(name)
     if fn is None:

@@ -141,6 +141,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, max_position, qkv_bias, o_bias, self.qk_norm, tp)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tied else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.logits_head().packed = None  # packable (engine/layers/packed.py) as a linear layer
         nh, nkv, self.head_dim = _dims(cfg)
         self.num_kv_heads = head_slice(nh, nkv, tp.size, tp.rank).kv_count  # this rank's
 
@@ -170,6 +171,10 @@ class LlamaForCausalLM(nn.Module):
         runner caps max_model_len at it)."""
         return None
 
+    def logits_head(self) -> VocabParallelEmbedding:
+        """The module whose weight computes the logits (the embedding when tied)."""
+        return self.model.embed_tokens if self.tied else self.lm_head
+
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
@@ -183,8 +188,8 @@ class LlamaForCausalLM(nn.Module):
         logits would add no information, only a pass over [N, vocab]). Tensor-parallel:
         rank 0 gets [N, vocab rounded up to a multiple of the ranks] (columns past the vocab
         are padding), the other ranks None."""
-        w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return vocab_parallel_logits(hidden, w, self.tp)
+        head = self.logits_head()
+        return vocab_parallel_logits(hidden, head.weight, self.tp, head.packed)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

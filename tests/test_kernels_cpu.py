@@ -1,0 +1,159 @@
+"""kernels/cpu.py (what the engine runs on CPU tensors) against the twins of
+kernels/reference.py on the same inputs. Caches are scrambled and every slot no sequence
+owns is NaN, so a read of a key past a sequence's length, or through a block-table entry
+it does not use, shows up as a non-finite output."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from engine.layers import ops
+from kernels import cpu as C
+from kernels import reference as R
+from kernels.layout import transposed_view
+
+F32, BF, FP8 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
+
+
+def paged_batch(ctx, qlens, hq, hkv, d, bs, dtype=F32, kv_dtype=None, seed=0):
+    """(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q): blocks in a random
+    order, tables padded with -1 and two spare columns, unowned slots NaN (fp8: 0x7F)."""
+    g = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
+    nblk = [-(-n // bs) for n in ctx]
+    nb = sum(nblk) + 3
+    kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(kv_dtype) for _ in range(2))
+    perm = torch.randperm(nb, generator=g)
+    bt = torch.full((len(ctx), max(nblk) + 2), -1, dtype=torch.int32)
+    owned = torch.zeros(nb * bs, dtype=torch.bool)
+    i = 0
+    for b, (n, k) in enumerate(zip(ctx, nblk, strict=True)):
+        bt[b, :k] = perm[i:i + k].int()
+        i += k
+        tok = torch.arange(n)
+        owned[bt[b, tok // bs].long() * bs + tok % bs] = True
+    for c in (kc, vc):
+        if kv_dtype == FP8:
+            c.view(torch.uint8).view(nb * bs, hkv, d)[~owned] = 0x7F  # e4m3fn NaN
+        else:
+            c.view(nb * bs, hkv, d)[~owned] = float("nan")
+    cu = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d, generator=g).to(dtype)
+    return q, kc, vc, bt, torch.tensor(ctx, dtype=torch.int32), cu
+
+
+def assert_matches(out, ref, dtype):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert torch.isfinite(out.float()).all(), "read a key it must not"
+    tol = 1e-5 if dtype == F32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+# (context lengths, query lengths): decode only, mixed, uneven prefills (one group each),
+# chunked prefill over a cached prefix, one sequence
+CASES = [
+    ([1, 17, 33, 5, 64, 16], [1] * 6),
+    ([40, 20, 50, 7], [40, 1, 3, 1]),
+    ([300, 9, 12], [300, 2, 1]),
+    ([70, 45], [6, 45]),
+    ([23], [23]),
+]
+
+
+@pytest.mark.parametrize("ctx,qlens", CASES)
+@pytest.mark.parametrize("hq,hkv,bs", [(9, 3, 16), (4, 4, 8), (8, 2, 32)])
+def test_paged_attention_matches_twin(ctx, qlens, hq, hkv, bs):
+    q, kc, vc, bt, lens, cu = paged_batch(ctx, qlens, hq, hkv, 64, bs)
+    ref = R.paged_attention(q, kc, vc, bt, lens, cu, 0.125)
+    assert_matches(C.paged_attention(q, kc, vc, bt, lens, cu, 0.125), ref, F32)
+    if all(n == 1 for n in qlens):
+        assert_matches(C.paged_decode_attention(q, kc, vc, bt, lens, 0.125), ref, F32)
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [(BF, BF), (F32, FP8), (BF, FP8)])
+@pytest.mark.parametrize("ctx,qlens", [CASES[0], CASES[1]])
+def test_paged_attention_low_precision_and_transposed_v(dtype, kv_dtype, ctx, qlens):
+    """The engine's fp8 V cache is a transposed_view (kernels/layout.py)."""
+    q, kc, vc, bt, lens, cu = paged_batch(ctx, qlens, 8, 2, 32, 16, dtype, kv_dtype)
+    if kv_dtype == FP8:
+        vt = transposed_view(torch.empty(vc.shape, dtype=FP8))
+        vt.view(torch.uint8).copy_(vc.view(torch.uint8))
+        vc = vt
+    ref = R.paged_attention(q, kc, vc, bt, lens, cu, 32 ** -0.5)
+    assert_matches(C.paged_attention(q, kc, vc, bt, lens, cu, 32 ** -0.5), ref, dtype)
+
+
+def test_step_metadata_is_reused_only_for_the_same_tensors():
+    """The plan derived from one step's metadata is not applied to another step's, nor to
+    a (non-inference) tensor changed in place."""
+    q, kc, vc, bt, lens, cu = paged_batch([30, 5, 17], [1, 1, 1], 4, 2, 32, 8)
+    C.paged_decode_attention(q, kc, vc, bt, lens, 1.0)
+    shorter = torch.tensor([29, 4, 16], dtype=torch.int32)  # a new tensor: a new plan
+    assert_matches(C.paged_decode_attention(q, kc, vc, bt, shorter, 1.0),
+                   R.paged_decode_attention(q, kc, vc, bt, shorter, 1.0), F32)
+    shorter[0] = 10  # the same tensor, changed in place
+    assert_matches(C.paged_decode_attention(q, kc, vc, bt, shorter, 1.0),
+                   R.paged_decode_attention(q, kc, vc, bt, shorter, 1.0), F32)
+
+
+@pytest.mark.parametrize("kv_dtype", [F32, BF, FP8])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_store_kvcache_matches_twin(kv_dtype, transposed):
+    nb, bs, h, d = 6, 8, 2, 32
+    key, value = torch.randn(7, h, d), torch.randn(7, h, d)
+    slots = torch.tensor([3, -1, 40, 17, 47, -1, 0])
+    caches = []
+    for _ in range(2):
+        k, v = torch.zeros(nb, bs, h, d, dtype=kv_dtype), torch.zeros(nb, bs, h, d, dtype=kv_dtype)
+        caches.append((k, transposed_view(v) if transposed else v, v))
+    C.store_kvcache(key, value, caches[0][0], caches[0][1], slots)
+    R.store_kvcache(key, value, caches[1][0], caches[1][1], slots)
+    for a, b in zip(caches[0][::2], caches[1][::2], strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF])
+def test_pointwise_ops_match_twins(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, res = (torch.randn(5, 96, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(96, generator=g).to(dtype)
+    assert_matches(C.rms_norm(x, w, 1e-6), R.rms_norm(x, w, 1e-6), dtype)
+    for a, b in zip(C.fused_add_rms_norm(x, res, w, 1e-6),
+                    R.fused_add_rms_norm(x, res, w, 1e-6), strict=True):
+        assert_matches(a, b, dtype)
+    assert_matches(C.silu_and_mul(x), R.silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF])
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_rotary_equals_twin_bit_for_bit(dtype, side_by_side):
+    """q and k as views of one qkv projection (rotated in one pass), or apart."""
+    g = torch.Generator().manual_seed(2)
+    cache = R.rotary_cos_sin(32, 64, 10000.0)
+    qkv = torch.randn(5, 8 * 32, generator=g).to(dtype)  # [q: 4 heads | k: 2 | v: 2]
+    q, k = qkv[:, :128].view(5, 4, 32), qkv[:, 128:192].view(5, 2, 32)
+    if not side_by_side:
+        k = k.clone()
+    assert (C._heads_side_by_side(q, k) is not None) == side_by_side
+    pos = torch.tensor([0, 7, 3, 63, 20])
+    before = qkv.clone()
+    for a, b in zip(C.apply_rotary(q, k, pos, cache), R.apply_rotary(q, k, pos, cache),
+                    strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(qkv, before)  # inputs untouched
+
+
+def test_empty_batch():
+    q, kc = torch.empty(0, 4, 32), torch.zeros(4, 8, 2, 32)
+    bt, lens = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    cu = torch.zeros(1, dtype=torch.int32)
+    assert C.paged_attention(q, kc, kc, bt, lens, cu, 1.0).shape == q.shape
+    assert C.paged_decode_attention(q, kc, kc, bt, lens, 1.0).shape == q.shape
+
+
+def test_cpu_tensors_dispatch_to_the_cpu_module():
+    x = torch.zeros(2, 4)
+    for name in ops.TRITON_MODULES:
+        assert ops._op(name, x) is getattr(C, name)
