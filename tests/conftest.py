@@ -1,10 +1,19 @@
 """Shared fixtures: real redis-server processes (random port, temp dir), never a mock."""
 from __future__ import annotations
 
-import pytest
-import redis
+import os
 
-from worker.redis_server import RedisServer
+# One torch (OpenMP) thread per test process, set before anything imports torch; worker
+# processes the tests start inherit it. With two threads, every op waits at a barrier for
+# both: on a busy machine (the suite itself runs pytest + workers, CI runs other jobs) the
+# other thread is often descheduled, and SmolLM2 steps got 5-30x slower than with one.
+# An OMP_NUM_THREADS already set wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import redis  # noqa: E402
+
+from worker.redis_server import RedisServer  # noqa: E402
 
 pytest_plugins = ["tests.model_fixtures", "tests.tiny_service"]
 

@@ -98,6 +98,16 @@ def load_hf(folder: Path):
         return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
+def hf_choices(hf, ids: list[int], out: list[int]) -> list[int]:
+    """transformers' greedy choice after ids + out[:i] for every i, from ONE causal forward
+    over ids + out[:-1] (a row's logits see only the tokens before it). Equal to out iff
+    out is transformers' greedy continuation of ids (by induction on i), at one pass of
+    the model per prompt instead of one per generated token."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + out[:-1]])).logits[0, len(ids) - 1:]
+    return logits.argmax(-1).tolist()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Factory: arch name -> folder of a tiny random checkpoint (built once per session)."""

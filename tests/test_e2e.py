@@ -40,7 +40,7 @@ def test_concurrent_jobs_all_finish_and_streams_match(service):
     def produce(chunk):
         for k, p in chunk:
             jid = client.submit(messages=[{"role": "user", "content": p}],
-                                max_tokens=8 + 4 * k, temperature=0.0)
+                                max_tokens=4 + 2 * k, temperature=0.0)
             with lock:
                 ids.append(jid)
 
@@ -65,7 +65,7 @@ def test_concurrent_jobs_all_finish_and_streams_match(service):
 
 def test_job_submitted_mid_generation_joins_running_batch(service):
     client, _w = service
-    long_id = client.submit("Write a long story about a dragon.", max_tokens=120,
+    long_id = client.submit("Write a long story about a dragon.", max_tokens=64,
                             temperature=0.0, ignore_eos=True)
     it = client.stream(long_id, timeout=120)
     for _ in range(3):  # the long job is generating
@@ -75,7 +75,7 @@ def test_job_submitted_mid_generation_joins_running_batch(service):
     long_now = client.status(long_id)
     assert short.status == "finished"
     assert long_now.status == "running", "the short job had to wait for the long one"
-    assert client.result(long_id, timeout=300).usage.completion_tokens == 120
+    assert client.result(long_id, timeout=300).usage.completion_tokens == 64
 
 
 def test_late_reader_and_resume_from_index_get_every_token_once(service):
