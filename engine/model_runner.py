@@ -26,8 +26,8 @@ from engine.batch import ScheduledBatch
 from engine.config import EngineConfig
 from engine.inputs import InputBuilder, Packed
 from engine.layers import ops
-from engine.layers.packed import pack_model
 from engine.layers.attention import AttentionMetadata
+from engine.layers.packed import pack_model
 from engine.loader import load_model_files, resolve_model
 from engine.models import get_model_class
 from engine.parallel import SINGLE

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 PACKED_MAX_ROWS = 32
 
 
