@@ -37,9 +37,11 @@ CONNECTION = ("+@connection", "-client|tracking", "-client|caching")
 # Every command a script runs is checked against the user's own rights (Redis runs it as
 # the caller), so EVAL grants nothing the other rules do not.
 SCRIPTING = ("eval", "evalsha", "script|load", "script|exists")
-# producer/reader.py: what status(), result(), stream() and subscribe() send. Only
-# SUBSCRIBE, never PSUBSCRIBE: a pattern subscription would receive every job's events.
-READS = ("exists", "hgetall", "xread", "xrevrange", "subscribe", "unsubscribe")
+# producer/reader.py: what status(), result(), stream() and subscribe() send (on a Redis
+# Cluster SSUBSCRIBE). Only (S)SUBSCRIBE, never PSUBSCRIBE: a pattern subscription would
+# receive every job's events.
+READS = ("exists", "hgetall", "xread", "xrevrange", "subscribe", "unsubscribe", "ssubscribe",
+         "sunsubscribe")
 # worker/*.py outside the scripts: intake (XREADGROUP, XAUTOCLAIM, XPENDING, XINFO GROUPS,
 # XGROUP CREATE, XACK + XDEL in MULTI), release (XCLAIM), heartbeat (HSET, EXPIRE, ZADD,
 # ZREMRANGEBYSCORE, SADD, ZREM, DEL), cancels (SMISMEMBER), sweep (SMEMBERS), metrics
@@ -83,8 +85,9 @@ def script_commands(text: str) -> set[str]:
 @functools.cache
 def commands_of_scripts(names: tuple[str, ...]) -> tuple[str, ...]:
     found: set[str] = set()
-    for name in names:
-        found |= script_commands(lua.source(name))
+    for name in names:  # as on a single Redis, and as on a cluster (SPUBLISH)
+        text = lua.source(name)
+        found |= script_commands(text) | script_commands(lua.sharded(text))
     return tuple(sorted(found))
 
 

@@ -48,6 +48,8 @@ from redis.exceptions import (
     NoPermissionError,
 )
 
+from producer import cluster_keys
+
 from .settings import Settings
 
 # replies (first word) that mean "these credentials may not do this"; redis-py maps most
@@ -402,8 +404,8 @@ def connect_cluster(settings: Settings, url: str | None = None, **options: Any) 
 
     url = url or settings.redis_url
     try:
-        return RedisCluster.from_url(_cluster_url(url), **redis_kwargs(settings, url),
-                                     **options)
+        return cluster_keys.install(RedisCluster.from_url(
+            _cluster_url(url), **redis_kwargs(settings, url), **options))
     except RedisClusterException as e:
         raise _cluster_unreachable(url, e) from e
     except redis.RedisError as e:
@@ -449,8 +451,8 @@ def connect_async(settings: Settings, url: str | None = None, **options: Any) ->
     if settings.redis_cluster:
         from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
-        return AsyncRedisCluster.from_url(_cluster_url(url), **redis_kwargs(settings, url),
-                                          **options)
+        return cluster_keys.install(AsyncRedisCluster.from_url(
+            _cluster_url(url), **redis_kwargs(settings, url), **options))
     import redis.asyncio as aredis
 
     return aredis.Redis.from_url(url, **redis_kwargs(settings, url), **options)
@@ -466,7 +468,8 @@ def client_redis(settings: Settings, pool: dict[str, Any], asyncio: bool = False
         if asyncio:
             from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
-            return AsyncRedisCluster.from_url(_cluster_url(pool["url"]), **opts)
+            return cluster_keys.install(AsyncRedisCluster.from_url(_cluster_url(pool["url"]),
+                                                                   **opts))
         return connect_cluster(settings, pool["url"], **{k: v for k, v in opts.items()
                                                          if k not in redis_kwargs(
                                                              settings, pool["url"])})
@@ -484,3 +487,12 @@ def is_cluster(r: Any) -> bool:
     from redis.cluster import RedisCluster
 
     return isinstance(r, RedisCluster | AsyncRedisCluster)
+
+
+def is_cluster_pubsub(ps: Any) -> bool:
+    """Is ``ps`` a cluster client's pub/sub object (sync or asyncio)? It subscribes to
+    the scripts' shard channels (SSUBSCRIBE, producer.lua.sharded)."""
+    from redis.asyncio.cluster import ClusterPubSub as AsyncClusterPubSub
+    from redis.cluster import ClusterPubSub
+
+    return isinstance(ps, ClusterPubSub | AsyncClusterPubSub)

@@ -37,7 +37,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .connection import redis_kwargs
+from .connection import is_cluster_pubsub, redis_kwargs
 from .errors import EventsTrimmed, JobNotFound, ResultTimeout
 from .keys import Keys, check_name, index_of_entry_id
 from .schema import TERMINAL, Event, FinalEvent, JobRecord, TokenEvent, parse_event
@@ -182,10 +182,13 @@ class JobHead(Command):
 
 @dataclass(frozen=True, slots=True)
 class Subscribe(Command):
-    """``SUBSCRIBE chan`` on the pub/sub connection."""
+    """``SUBSCRIBE chan`` on the pub/sub connection (``SSUBSCRIBE`` on a cluster's: there
+    the scripts publish with SPUBLISH, producer.lua.sharded)."""
     chan: str
 
     def call(self, r: Any, ps: Any = None) -> Any:
+        if is_cluster_pubsub(ps):
+            return ps.ssubscribe(self.chan)
         return ps.subscribe(self.chan)
 
 
@@ -195,6 +198,8 @@ class GetMessage(Command):
     timeout: float
 
     def call(self, r: Any, ps: Any = None) -> Any:
+        if is_cluster_pubsub(ps):
+            return ps.get_sharded_message(ignore_subscribe_messages=True, timeout=self.timeout)
         return ps.get_message(ignore_subscribe_messages=True, timeout=self.timeout)
 
 
@@ -444,7 +449,7 @@ def read_mirror(keys: Keys, job_id: str, timeout: float | None = None,
         if wait <= 0:
             raise ResultTimeout(f"no message for job {job_id!r} for {timeout} s")
         msg = yield GetMessage(min(POLL_S, wait))
-        if msg is None or msg.get("type") != "message":
+        if msg is None or msg.get("type") not in ("message", "smessage"):
             continue
         ev = parse_event(json.loads(msg["data"]))
         quiet_since = clock()

@@ -26,7 +26,7 @@ import redis.asyncio
 from pydantic import ValidationError
 
 from . import lua
-from .connection import RETRYABLE
+from .connection import RETRYABLE, is_cluster
 from .errors import InvalidRequest, JobConflict, JobNotFound, NoWorker, Overloaded
 from .keys import DEFAULT_LANE, GROUP, Keys, check_job_id, new_job_id, partition_of
 from .schema import SCHEMA_VERSION, JobRequest, describe
@@ -46,9 +46,12 @@ class Scripts:
 
 
 def register(r: Any) -> Scripts:
-    """Register the scripts on a sync or asyncio redis client (no round trip)."""
-    return Scripts(submit=r.register_script(SUBMIT_LUA), cancel=r.register_script(CANCEL_LUA),
-                   served=r.register_script(SERVED_LUA))
+    """Register the scripts on a sync or asyncio redis client (no round trip); on a
+    cluster client their sharded texts (SPUBLISH: producer.lua.sharded)."""
+    text = lua.sharded if is_cluster(r) else str
+    return Scripts(submit=r.register_script(text(SUBMIT_LUA)),
+                   cancel=r.register_script(text(CANCEL_LUA)),
+                   served=r.register_script(text(SERVED_LUA)))
 
 
 def queue_script(pipe: Any, script: Any, keys: list[str], args: list[str]) -> Any:

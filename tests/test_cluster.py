@@ -25,6 +25,7 @@ from redis.cluster import RedisCluster
 
 from producer import AsyncClient, Client
 from producer.batch import Batches, BatchSettings
+from producer.cluster_keys import moving_keys
 from producer.errors import JobNotFound
 from producer.inspection import snapshot
 from producer.keys import Keys, new_job_id, partition_of
@@ -244,6 +245,84 @@ def test_cluster_submit_stream_result_over_partitions(env):
     assert asyncio.run(use_async()) == ref
     snap = snapshot(c.redis, c.keys, c.settings.lanes, MODEL, partitions=N)
     assert {w["worker"] for w in snap["workers"]} == {"wa", "wb"}
+
+
+def calls(cluster: Cluster, *commands: str) -> tuple[int, ...]:
+    """How often each of ``commands`` (commandstats names) ran, summed over the live nodes."""
+    total = [0] * len(commands)
+    for srv in cluster.live():
+        with redis.Redis(port=srv.port, socket_timeout=5) as r:
+            stats = r.info("commandstats")
+            for i, name in enumerate(commands):
+                total[i] += stats.get(f"cmdstat_{name}", {}).get("calls", 0)
+    return tuple(total)
+
+
+def test_cluster_stream_reads_ask_no_server_for_their_keys(env):
+    """Every reader's XREAD, every worker's XREADGROUP and every script call in a
+    pipeline is routed by keys found locally (producer/cluster_keys.py): redis-py asked
+    the client's default node with COMMAND GETKEYS before each, an extra round trip that
+    loaded one master with them all."""
+    c = env.client()
+    before = calls(env.cluster, "command|getkeys")
+    ids = [greedy(c, 8) for _ in range(N)]  # workers' intake reads these
+    for jid in ids:
+        consistent(c, jid)  # stream(): XREAD, sync
+
+    async def read_async() -> None:
+        async with AsyncClient(settings=env.settings()) as ac:
+            jid = await ac.submit(PROMPT, max_tokens=8)
+            assert [e async for e in ac.stream(jid, timeout=60)][-1].status == "finished"
+    asyncio.run(read_async())
+    assert calls(env.cluster, "command|getkeys") == before
+
+
+def test_cluster_mirror_is_a_shard_channel(env):
+    """On a cluster the scripts publish with SPUBLISH (to the job's shard only, not over
+    the cluster bus to every node) and subscribe() reads it with SSUBSCRIBE, sync and
+    asyncio, for jobs in every partition; cancel's final event too."""
+    c = env.client()
+    ref = consistent(c, greedy(c, 12)).text
+    pub0, spub0 = calls(env.cluster, "publish", "spublish")
+    for _ in range(N):
+        jid = greedy(c, 12)
+        evs = list(c.subscribe(jid, timeout=60))  # may miss early events: at-most-once
+        assert isinstance(evs[-1], FinalEvent) and evs[-1].text == ref
+
+    async def mirror_async() -> list:
+        async with AsyncClient(settings=env.settings()) as ac:
+            jid = await ac.submit(PROMPT, max_tokens=2000, temperature=0, ignore_eos=True)
+            evs = []
+            async for ev in ac.subscribe(jid, timeout=60):
+                evs.append(ev)
+                if len(evs) == 1:
+                    assert await ac.cancel(jid)
+            return evs
+    evs = asyncio.run(mirror_async())
+    assert evs[-1].status == "cancelled"
+    pub, spub = calls(env.cluster, "publish", "spublish")
+    assert pub == pub0 and spub > spub0
+
+
+@pytest.mark.parametrize("args, keys", [
+    (("XREAD", "STREAMS", "a", "0"), ["a"]),
+    (("xread", "COUNT", 5, "BLOCK", 100, "STREAMS", "a", "b", "0", "$"), ["a", "b"]),
+    ((b"XREADGROUP", b"GROUP", b"STREAMS", b"STREAMS", b"NOACK", b"STREAMS", b"k", b">"),
+     [b"k"]),  # a group and consumer named STREAMS are not the keyword
+    (("XREADGROUP", "GROUP", "g", "c", "COUNT", "1", "BLOCK", "0", "STREAMS", "x", ">"),
+     ["x"]),
+    (("XREAD", "STREAMS", "a", "b", "0"), None),  # odd: left to redis-py (and the server)
+    (("XREAD", "FOO", "STREAMS", "a", "0"), None),
+    (("XREADGROUP", "COUNT", "1", "STREAMS", "a", ">"), None),
+    (("EVALSHA", "ab12", 2, "k1", "k2", "v"), ["k1", "k2"]),
+    ((b"EVAL", b"return 1", b"1", b"k"), [b"k"]),
+    (("FCALL_RO", "f", "0", "a"), None),  # no keys: redis-py picks the node
+    (("EVALSHA", "ab12", 3, "k1"), None),
+    (("EVAL", "return 1", "x", "k"), None),
+    (("XRANGE", "a", "-", "+"), None),
+])
+def test_moving_keys(args, keys):
+    assert moving_keys(args) == keys
 
 
 def test_cluster_async_submit_many(env):

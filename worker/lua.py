@@ -9,7 +9,7 @@ import hashlib
 import redis
 
 from producer.connection import RETRYABLE, is_cluster
-from producer.lua import source
+from producer.lua import sharded, source
 
 
 class Script:
@@ -18,11 +18,14 @@ class Script:
     EXISTS first, one extra round trip per execute. A NOSCRIPT reply in a pipeline (Redis
     restarted or flushed its script cache) is the caller's to handle: ``load_all`` and
     send again (``noscript``). Every script here is fenced or idempotent, so a resend is
-    safe. Called directly, it loads and retries by itself."""
+    safe. Called directly, it loads and retries by itself. On a cluster client it runs
+    the script's sharded text (producer.lua.sharded)."""
 
     sources: set[str] = set()  # of every Script made: what load_all loads
 
     def __init__(self, r: redis.Redis, source: str) -> None:
+        if is_cluster(r):
+            source = sharded(source)
         self.r, self.source = r, source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
         Script.sources.add(source)

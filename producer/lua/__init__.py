@@ -13,6 +13,12 @@ share the base's hash tag, so they are in the declared keys' Redis Cluster slot.
 
 Producer scripts: submit, cancel, served, queue_snapshot. Worker scripts: start, publish,
 finish, reject, refresh, expire_unserved.
+
+On a Redis Cluster the scripts run as ``sharded(source(name))``: the pub/sub mirror goes
+out with SPUBLISH (sharded pub/sub, Redis 7), which reaches the subscribers of the
+channel's shard only. PUBLISH there is sent to every node over the cluster bus, a cost
+that grows with the node count and took most of a 3-master cluster's scale-out. A
+channel shares its job's hash tag, so it is in the slot of the keys its script declares.
 """
 from __future__ import annotations
 
@@ -42,6 +48,14 @@ def source(name: str) -> str:
     table = "{" + ", ".join(f"{s.value} = true" for s in sorted(TERMINAL)) + "}"
     common = common.replace(_TERMINAL_LINE, f"local TERMINAL = {table}")
     return common + "\n" + _read(f"{name}.lua")
+
+
+_PUBLISH, _SPUBLISH = "redis.call('PUBLISH', ", "redis.call('SPUBLISH', "
+
+
+def sharded(text: str) -> str:
+    """A script's text for a Redis Cluster: its PUBLISH calls made SPUBLISH."""
+    return text.replace(_PUBLISH, _SPUBLISH)
 
 
 def sha(name: str) -> str:
