@@ -34,9 +34,11 @@ No torch, no worker imports: the producer side owns this; the worker imports it.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import ssl
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -400,29 +402,32 @@ def connect_cluster(settings: Settings, url: str | None = None, **options: Any) 
     (redis-py's own cluster retry). It connects here; a cluster it cannot reach is a
     redis.ConnectionError (refused credentials: RedisUnusable)."""
     from redis.cluster import RedisCluster
-    from redis.exceptions import RedisClusterException
 
     url = url or settings.redis_url
-    try:
+    with _cluster_start(url):
         return cluster_keys.install(RedisCluster.from_url(
             _cluster_url(url), **redis_kwargs(settings, url), **options))
+
+
+@contextlib.contextmanager
+def _cluster_start(url: str) -> Iterator[None]:
+    """What a cluster client's failed start means to our retry loops: RedisUnusable when a
+    node refused the credentials or TLS, else (no node gave a slot map) a
+    redis.ConnectionError, which they retry."""
+    from redis.exceptions import RedisClusterException
+
+    try:
+        yield
     except RedisClusterException as e:
-        raise _cluster_unreachable(url, e) from e
+        cause = e.__cause__ or e.__context__
+        if cause is not None and is_fatal(cause):
+            raise RedisUnusable(url, cause) from e
+        raise redis.ConnectionError(f"cannot reach the Redis Cluster at {redact_url(url)}: "
+                                    f"{' '.join(str(e).split())}") from e
     except redis.RedisError as e:
         if is_fatal(e):
             raise RedisUnusable(url, e) from e
         raise
-
-
-def _cluster_unreachable(url: str, e: BaseException) -> redis.RedisError:
-    """What a cluster client's failed start (no node gave a slot map) means to our retry
-    loops: RedisUnusable when a node refused the credentials or TLS, else a
-    redis.ConnectionError (retryable)."""
-    cause = e.__cause__ or e.__context__
-    if cause is not None and is_fatal(cause):
-        return RedisUnusable(url, cause)
-    return redis.ConnectionError(f"cannot reach the Redis Cluster at {redact_url(url)}: "
-                                 f"{' '.join(str(e).split())}")
 
 
 async def start_async_cluster(r: Any, url: str) -> None:
@@ -432,16 +437,8 @@ async def start_async_cluster(r: Any, url: str) -> None:
     (producer/aio.py): redis-py's lazy start entered by many tasks at once failed some of
     them (``'NoneType' object has no attribute 'writelines'``). Errors as
     ``connect_cluster``'s."""
-    from redis.exceptions import RedisClusterException
-
-    try:
+    with _cluster_start(url):
         await r.initialize()
-    except RedisClusterException as e:
-        raise _cluster_unreachable(url, e) from e
-    except redis.RedisError as e:
-        if is_fatal(e):
-            raise RedisUnusable(url, e) from e
-        raise
 
 
 def connect_async(settings: Settings, url: str | None = None, **options: Any) -> Any:

@@ -521,3 +521,16 @@ def test_cluster_master_killed_mid_run_every_job_one_result(env):
           f"{len(submitted)}; jobs re-run: "
           f"{sum(c.status(i).attempt > 1 for i in ids)} of {len(ids)}")
     assert lost[1] == 0  # a write a replica acknowledged survives the failover
+
+
+def test_cluster_unreachable_is_a_retryable_connection_error():
+    """No node answers: redis.ConnectionError naming the (redacted) URL, which the clients'
+    and worker's retry loops retry; not RedisUnusable, which would stop them."""
+    from producer.connection import RedisUnusable, connect_cluster
+    from worker.redis_server import free_port
+
+    url = f"redis://user:s3cret@127.0.0.1:{free_port()}"
+    with pytest.raises(redis.ConnectionError) as e:
+        connect_cluster(Settings(redis_url=url, redis_cluster=True))
+    assert not isinstance(e.value, RedisUnusable)
+    assert "cannot reach the Redis Cluster" in str(e.value) and "s3cret" not in str(e.value)
