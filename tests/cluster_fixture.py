@@ -4,7 +4,10 @@ split evenly. Made with CLUSTER ADDSLOTSRANGE / MEET / REPLICATE (no redis-cli),
 ready once every node reports ``cluster_state:ok`` with every replica in sync.
 
 ``cluster-node-timeout`` is small (``node_timeout_ms``), so a killed master's replica is
-promoted within about a second or two (``Cluster.kill_master``)."""
+promoted within about a second or two (``Cluster.kill_master``). With ``tls`` every node
+listens for TLS only, the cluster bus and replication too (tls-cluster, tls-replication);
+``extra``: more redis-server arguments for every node, ``conn``: more client options for
+the fixture's own connections (a password, the client certificate)."""
 from __future__ import annotations
 
 import socket
@@ -13,7 +16,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from worker.redis_server import RedisServer, free_port
+from worker.redis_server import RedisServer, ServerTls, free_port
 
 SLOTS = 16384
 
@@ -38,21 +41,26 @@ class Cluster:
     masters: int = 3
     replicas: int = 0  # per master
     node_timeout_ms: int = 1000
+    tls: ServerTls | None = None
+    extra: list[str] = field(default_factory=list)
+    conn: dict = field(default_factory=dict)
     nodes: list[RedisServer] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         """The start-up node clients are given (they discover the others)."""
-        return f"redis://127.0.0.1:{self.nodes[0].port}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.nodes[0].port}"
 
     def start(self, timeout: float = 30.0) -> Cluster:
         total = self.masters * (1 + self.replicas)
         extra = ["--cluster-enabled", "yes", "--cluster-node-timeout", str(self.node_timeout_ms),
                  "--cluster-replica-validity-factor", "0", "--appendonly", "no",
-                 "--cluster-require-full-coverage", "yes"]
+                 "--cluster-require-full-coverage", "yes", *self.extra]
+        if self.tls:
+            extra += ["--tls-cluster", "yes", "--tls-replication", "yes"]
         try:
             for _ in range(total):
-                srv = RedisServer(cluster_port(), min_version=(7, 0),
+                srv = RedisServer(cluster_port(), min_version=(7, 0), tls=self.tls,
                                   extra=[*extra, "--cluster-config-file", "nodes.conf"])
                 self.nodes.append(srv.start())
             self._form(timeout)
@@ -62,7 +70,9 @@ class Cluster:
         return self
 
     def _conn(self, srv: RedisServer) -> redis.Redis:
-        return redis.Redis(port=srv.port, decode_responses=True, socket_timeout=5)
+        tls = {} if self.tls is None else {"ssl": True, "ssl_ca_certs": self.tls.ca}
+        return redis.Redis(port=srv.port, decode_responses=True, socket_timeout=5, **tls,
+                           **self.conn)
 
     def _form(self, timeout: float) -> None:
         first = self._conn(self.nodes[0])

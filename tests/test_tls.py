@@ -185,6 +185,54 @@ def test_jobs_stream_result_and_takeover_over_tls(tls, svc):
         assert PASSWORD not in log, "the password reached a worker's log"
 
 
+def test_cluster_over_tls(tls, tiny_dir):
+    """A 3-master Redis Cluster, TLS only (clients, cluster bus) with a password: a worker
+    serving 3 partitions and the sync and asyncio clients submit, stream, subscribe (shard
+    channels) and read results over TLS."""
+    import asyncio
+
+    from producer import AsyncClient
+    from producer.keys import partition_of
+    from tests.cluster_fixture import Cluster
+
+    p = tls.pki
+    cluster = Cluster(
+        masters=3, tls=ServerTls(str(p.server_cert), str(p.server_key), str(p.ca)),
+        extra=["--requirepass", PASSWORD, "--tls-client-cert-file", str(p.client_cert),
+               "--tls-client-key-file", str(p.client_key)],
+        conn={"password": PASSWORD, "ssl_certfile": str(p.client_cert),
+              "ssl_keyfile": str(p.client_key)}).start()
+    env = {"PAGEDQ_REDIS_CLUSTER": "1", "PAGEDQ_PARTITIONS": "3"}
+    w = WorkerProc(cluster.url, PREFIX, model=tiny_dir, worker_id="tls-cluster",
+                   extra=["--served-name", MODEL, "--max-num-seqs", "16"],
+                   env={**tls.env, **env})
+    settings = tls.settings(redis_url=cluster.url, redis_cluster=True, partitions=3)
+    try:
+        w.start(wait=False)
+        with Client(settings=settings) as c:
+            until(lambda: w.proc.poll() is not None or c.served_models(), "the worker", 180)
+            assert w.proc.poll() is None, w.log()
+            ids = [c.submit("over tls", max_tokens=6, ignore_eos=True) for _ in range(3)]
+            assert {partition_of(i, 3) for i in ids} == {0, 1, 2}
+            for jid in ids:
+                evs = list(c.stream(jid, timeout=60))
+                rec = c.result(jid, timeout=60)
+                assert rec.status == "finished" and rec.usage.completion_tokens == 6
+                assert "".join(e.delta for e in evs[:-1]) == rec.text == evs[-1].text
+            mirror = list(c.subscribe(c.submit("mirror", max_tokens=4), timeout=60))
+            assert isinstance(mirror[-1], FinalEvent) and mirror[-1].status == "finished"
+
+        async def use_async() -> str:
+            async with AsyncClient(settings=settings) as ac:
+                jid = await ac.submit("async over tls", max_tokens=5, ignore_eos=True)
+                return (await ac.result(jid, timeout=60)).status
+        assert asyncio.run(use_async()) == "finished"
+        assert PASSWORD not in w.log(tail=None)
+    finally:
+        w.stop(10)
+        cluster.cleanup()
+
+
 def test_batch_through_rq_over_tls(tls, svc, tmp_path):
     """`pagedq batch worker` (rq, and rq's scheduler process) over TLS: a small batch
     completes."""
