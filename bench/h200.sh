@@ -3,8 +3,8 @@
 # the folder for JSON results). What each line measures is in bench/*.py's docstrings.
 #   bash bench/h200.sh [tests] [main] [ablations] [profile] [kernels] [service] [openloop]
 #                      [prefill] [rediscost]
-# (openloop: about 5 minutes by estimate, not yet timed: give it a call of its own; plot its
-# JSON where matplotlib is, with python bench/plot.py JSON)
+# (openloop: 301 s on the H200, closed run and worker start included: give it a call of its
+# own or little beside it; it draws its PNGs where matplotlib is, else python bench/plot.py JSON)
 set -u
 OUT=${OUT:-/tmp/pagedq-bench}
 mkdir -p "$OUT"

@@ -122,7 +122,10 @@ def main() -> int:
                ratio_to_offline=res["service_tok_s"] / offline["throughput_tok_s"],
                worker_steps=stats["steps"], redis_round_trips=rt,
                round_trips_per_step=rt / max(stats["steps"], 1), device=offline["device"],
-               worker_loop_s=stats.get("loop_s"))
+               worker_loop_s=stats.get("loop_s"), offline_steps=offline.get("steps"),
+               offline_host_wait_s=offline.get("host_wait_s"),
+               worker_device_wait_s=stats.get("device_wait_s"),
+               worker_publisher_cpu_s=stats.get("publisher_cpu_s"))
     print(json.dumps(res))
     print(f"offline {res['offline_tok_s']:.0f} tok/s | service {res['service_tok_s']:.0f} tok/s "
           f"(ratio {res['ratio_to_offline']:.2f}) | TTFT p50/p90/p99 {res['ttft_p50']:.2f}/"
@@ -130,7 +133,10 @@ def main() -> int:
           f"{res['itl_p50'] * 1e3:.1f}/{res['itl_p90'] * 1e3:.1f}/{res['itl_p99'] * 1e3:.1f} ms | "
           f"{res['tokens_per_event']:.2f} tok/event | {res['round_trips_per_step']:.2f} "
           f"Redis round trips/step")
-    print(f"worker engine thread (s): {res['worker_loop_s']} | redis-server CPU "
+    print(f"worker engine thread (s): {res['worker_loop_s']}, of which waiting for the device "
+          f"{res['worker_device_wait_s']} (offline: {res['offline_host_wait_s']}) | publisher "
+          f"thread CPU {res['worker_publisher_cpu_s']} s | steps {res['worker_steps']} "
+          f"(offline: {res['offline_steps']}) | redis-server CPU "
           f"{res['redis_cpu_s']:.2f} s over {res['service_seconds']:.2f} s")
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -84,6 +84,11 @@ def expire_unserved(keys: Keys, model: str, lane: str, unserved_timeout_s: float
                 [keys.base, unserved_timeout_s, result_ttl_s, max_entries])
 
 
+def event_keys(k: Keys, job_id: str) -> tuple[str, str, str]:
+    """The names a job's token events touch: its record, its out stream, its channel."""
+    return k.job(job_id), k.out(job_id), k.chan(job_id)
+
+
 @dataclass(slots=True)
 class Publish:
     """One PUBLISH call, built event by event: ``add`` one event per (job, choice), each
@@ -99,9 +104,18 @@ class Publish:
     def add(self, k: Keys, job_id: str, attempt: int, index: int, delta: str,
             token_ids: list[int], logprobs: list[Any] | None, choice: int | None,
             finish_reason: str | None) -> None:
-        self.call.keys.extend((k.job(job_id), k.out(job_id)))
+        self.add_named(event_keys(k, job_id), attempt, index, delta, token_ids, logprobs,
+                       choice, finish_reason)
+
+    def add_named(self, names: tuple[str, str, str], attempt: int, index: int, delta: str,
+                  token_ids: list[int], logprobs: list[Any] | None, choice: int | None,
+                  finish_reason: str | None) -> None:
+        """``add`` with the job's ``event_keys`` built once by the caller (the publisher
+        adds an event of every running job at every round)."""
+        job_key, out_key, chan = names
+        self.call.keys.extend((job_key, out_key))
         self.call.args.extend((attempt, index, delta, ",".join(map(str, token_ids)),
-                               json.dumps(logprobs) if logprobs else "", k.chan(job_id),
+                               json.dumps(logprobs) if logprobs else "", chan,
                                "" if choice is None else choice, finish_reason or ""))
 
     def lost(self, reply: list[Any]) -> list[int]:

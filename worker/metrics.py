@@ -14,6 +14,19 @@ _LAT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)
 
 
+def observe_many(hist: Histogram, amount: float, count: int) -> None:
+    """Record ``count`` observations of ``amount``, as ``count`` ``observe()`` calls would,
+    in one pass over the buckets: a step's tokens share a few gaps, and observing each
+    token alone cost the engine thread ~1 us per running job per step. prometheus_client
+    has no weighted observe; its value slots (``_sum``, ``_buckets``, ``_upper_bounds``,
+    the last bucket +Inf) are what ``Histogram.observe`` itself updates."""
+    hist._sum.inc(amount * count)
+    for bound, bucket in zip(hist._upper_bounds, hist._buckets, strict=True):
+        if amount <= bound:
+            bucket.inc(count)
+            return
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = reg = CollectorRegistry()

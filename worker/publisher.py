@@ -66,6 +66,18 @@ class Final:
 TokenDelta = tuple[str, int, "int | None", str, list[int], "list[Any] | None", "str | None"]
 
 
+@dataclass(slots=True, frozen=True)
+class _Owner:
+    """A registered job's names, built once (the thread names every running job's keys at
+    every round): its tenant's keys and its id, the keys its token events touch
+    (worker_scripts.event_keys), its tenant's cancel set."""
+
+    keys: Keys
+    job_id: str
+    events: tuple[str, str, str]
+    cancel: str
+
+
 @dataclass(slots=True)
 class _Pending:
     attempt: int
@@ -89,7 +101,7 @@ class Publisher:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         # owned by the publisher thread, by uid: the next event index, whose job it is
         self._next_index: dict[str, int] = {}
-        self._owner: dict[str, tuple[Keys, str]] = {}
+        self._owner: dict[str, _Owner] = {}
         self._attempt: dict[str, int] = {}  # the attempt registered last
         self._thread = threading.Thread(
             target=fatal.guarded("publisher", self._run, lambda: list(self._next_index)),
@@ -100,6 +112,7 @@ class Publisher:
         self.lost: queue.SimpleQueue = queue.SimpleQueue()
         self.rounds = 0  # round trips to Redis
         self.errors = 0
+        self.cpu_s = 0.0  # the thread's CPU seconds, set when it ends (bench/service.py)
 
     # ---- called from the engine loop --------------------------------------------------
     def start(self) -> Publisher:
@@ -155,6 +168,7 @@ class Publisher:
                 except queue.Empty:
                     break
             self._round(items)
+        self.cpu_s = time.thread_time()
 
     def _round(self, items: list[tuple]) -> None:
         pending: dict[tuple[str, int | None], _Pending] = {}
@@ -166,7 +180,9 @@ class Publisher:
             kind = it[0]
             if kind == "reg":
                 uid = it[1].job(it[2])
-                self._next_index[uid], self._owner[uid] = it[4], (it[1], it[2])
+                self._next_index[uid] = it[4]
+                self._owner[uid] = _Owner(it[1], it[2], worker_scripts.event_keys(it[1], it[2]),
+                                          it[1].cancel)
                 self._attempt[uid] = it[3]
             elif kind == "tok":
                 for job_id, attempt, choice, delta, ids, lp, fr in it[1]:
@@ -206,7 +222,7 @@ class Publisher:
                 owner = self._owner.get(uid)
                 if owner is None or p.attempt != self._attempt.get(uid):
                     continue  # never started here, or an earlier attempt: nothing to write
-                group = owner[0].base if self._per_slot else ""
+                group = owner.keys.base if self._per_slot else ""
                 if group not in pubs:
                     pubs[group] = (worker_scripts.Publish(self.s.out_maxlen,
                                                           self.s.stream_idle_ttl_s), [])
@@ -214,16 +230,15 @@ class Publisher:
                 published.append((uid, p.attempt))
                 idx = self._next_index.get(uid, 0)
                 self._next_index[uid] = idx + 1
-                pub.add(*owner, p.attempt, idx, "".join(p.delta), p.ids, p.lp or None,
-                        p.choice, p.finish_reason)
+                pub.add_named(owner.events, p.attempt, idx, "".join(p.delta), p.ids,
+                              p.lp or None, p.choice, p.finish_reason)
             else:
                 finals.append(obj)
         # the cancel sets to ask, per tenant: {cancel set: [(uid, job id)]}
         asks: dict[str, list[tuple[str, str]]] = {}
         for uid in cancel_ids:
-            if uid in self._owner:
-                keys, job_id = self._owner[uid]
-                asks.setdefault(keys.cancel, []).append((uid, job_id))
+            if (owner := self._owner.get(uid)) is not None:
+                asks.setdefault(owner.cancel, []).append((uid, owner.job_id))
         if faults.FAILPOINTS:
             faults.maybe_raise("publisher", [k[0] for k in pending] + [f.job_id for f in finals])
         backoff = 0.05

@@ -25,7 +25,7 @@ from worker import fatal, faults, liveness, recovery
 from worker.health import DRAINING, SERVING, STOPPED, Health
 from worker.intake import Intake
 from worker.jobs import Job, WorkerIdentity, logprobs_json, split_request_id
-from worker.metrics import Metrics
+from worker.metrics import Metrics, observe_many
 from worker.pacing import StepPacer
 from worker.publisher import Final, Publisher
 
@@ -112,10 +112,15 @@ class Worker:
             self.heartbeat.leave()
             loop = self.loop_s
             loop["other"] = time.perf_counter() - t_start - sum(loop.values())
+            # device_wait_s: of engine_step, the host's wait for sampled tokens (the device
+            # was the bottleneck then); publisher_cpu_s: the publisher thread's CPU, which
+            # competes with the engine thread for the GIL
             self.log.info("worker_stopped", steps=self.steps,
                           publish_round_trips=self.publisher.rounds,
                           intake_round_trips=self.intake.round_trips,
-                          loop_s={k: round(v, 3) for k, v in loop.items()})
+                          loop_s={k: round(v, 3) for k, v in loop.items()},
+                          device_wait_s=round(self.engine.device_wait_s, 3),
+                          publisher_cpu_s=round(self.publisher.cpu_s, 3))
 
     def _loop(self, until_idle: bool) -> None:
         own_pending = True  # a restarted worker first re-reads its own pending entries
@@ -220,6 +225,7 @@ class Worker:
     def _emit(self, outs: list) -> None:
         batch, now, ended = [], time.monotonic(), []
         jobs, top, urgent = self.jobs, self.ident.lanes[0], False
+        gaps: dict[float, int] = {}  # previous token's time -> tokens (one ITL each)
         for o in outs:
             rid, k = o.request_id, 0
             job = jobs.get(rid)  # n == 1: the request id is the job's uid
@@ -234,7 +240,7 @@ class Worker:
                 self.metrics.ttft.labels(job.lane).observe(now - job.admitted_at)
                 urgent = urgent or job.lane == top
             else:
-                self.metrics.itl.observe(now - job.last_token_at)
+                gaps[job.last_token_at] = gaps.get(job.last_token_at, 0) + 1
             job.last_token_at = now
             choice = job.choices[k]
             choice.text.append(o.delta)
@@ -247,6 +253,8 @@ class Worker:
             lp = logprobs_json(o.logprobs, self._token_text) if o.logprobs else None
             batch.append((rid, job.attempt, None if job.request.n == 1 else k, o.delta,
                           o.new_token_ids, lp, fr))
+        for last, count in gaps.items():
+            observe_many(self.metrics.itl, now - last, count)
         self.metrics.generation_tokens.inc(sum(len(b[4]) for b in batch))  # tokens, not events
         self.publisher.tokens(batch, urgent)
         for job in ended:

@@ -1,0 +1,34 @@
+"""worker/intake.py, in process: a busy worker admits a burst in polls of BUSY_ADMIT_MAX,
+and no lower lane is read while a higher one may hold more."""
+from __future__ import annotations
+
+from producer import Client, JobRequest
+from producer.settings import Settings
+from worker.intake import BUSY_ADMIT_MAX
+from worker.service import Worker
+
+
+def test_a_busy_worker_admits_a_burst_in_bounded_polls_higher_lane_first(redis_server,
+                                                                           tiny_dir):
+    from engine.llm_engine import LLMEngine
+    engine = LLMEngine(tiny_dir, device="cpu", dtype="float32", max_num_seqs=256,
+                       num_kv_blocks=4096, block_size=8)
+    s = Settings(redis_url=redis_server.url, prefix="t", model="m")
+    w = Worker(engine, s, worker_id="w")
+    try:
+        w._ensure_group()
+        top, low = w.ident.lanes
+        n_top = 2 * BUSY_ADMIT_MAX + 5
+        with Client(settings=s) as c:
+            c.submit_many([JobRequest(prompt=[1, 2, 3], max_tokens=4, lane=lane, model="m")
+                           for lane in [top] * n_top + [low] * 3])
+        engine.add_request("running", [1, 2, 3])  # busy: polls do not block
+        admitted = []  # (top lane, lower lane) jobs admitted after each poll
+        for _ in range(3):
+            w.intake.poll(False)
+            lanes = [j.lane for j in w.jobs.values()]
+            admitted.append((lanes.count(top), lanes.count(low)))
+        # the top lane BUSY_ADMIT_MAX at a time; the lower lane only once the top ran short
+        assert admitted == [(BUSY_ADMIT_MAX, 0), (2 * BUSY_ADMIT_MAX, 0), (n_top, 3)]
+    finally:
+        w.r.close()
