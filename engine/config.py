@@ -30,6 +30,13 @@ class EngineConfig:
     # "priority": waiting requests by (priority, arrival); a waiting request may preempt a
     # running one of lower priority for a seat or KV blocks. "fcfs": arrival order only.
     scheduling_policy: str = "priority"
+    # while the running batch only decodes, a waiting request is held at most this many
+    # steps (less when the queue would fill the batch, or it outranks a running request),
+    # so arrivals are prefilled together. With CUDA graphs only decode-only steps replay a
+    # graph; a step that prefills runs the eager model, several decode steps' time
+    # (docs/benchmarks.md, bench/mixed_steps.py). None: 16 where graphs were captured, else 0
+    # (off: every step admits)
+    prefill_wait_steps: int | None = None
     # ranks sharing the model (Megatron-style tensor parallelism, engine/distributed.py):
     # one process per rank (per GPU: cuda:N..N+size-1), all-reduce over NCCL (gloo on the
     # CPU). 1: the single-device path, no process started
@@ -47,6 +54,10 @@ class EngineConfig:
             raise ValueError("without chunked prefill max_num_batched_tokens must be >= max_model_len")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
+        if self.prefill_wait_steps is not None and (
+                not isinstance(self.prefill_wait_steps, int) or self.prefill_wait_steps < 0):
+            raise ValueError(f"prefill_wait_steps must be an integer >= 0 "
+                             f"(got {self.prefill_wait_steps!r})")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -19,7 +19,12 @@ queue order among running requests, maybe the requester itself - is preempted by
 recompute and put back in the waiting queue; a step that preempted admits nobody. Otherwise
 waiting requests are admitted in queue order while budget, seats (max_num_seqs) and
 blocks allow; the first one that does not fit stops admission (head-of-line, so a big
-request is never starved by small ones).
+request is never starved by small ones). A step in which every running request only
+decodes admits only once the queue's head was held config.prefill_wait_steps steps, or
+the queue would take every free seat, or the head outranks a running request: arrivals
+are then prefilled together in one step instead of making many steps prefill (with CUDA
+graphs a step that prefills costs several decode steps). A step that prefills anyway
+admits at once.
 
 Queue order is the policy (config.scheduling_policy): "fcfs" = arrival; "priority" =
 (-priority, arrival), and a waiting request that finds no seat or no blocks preempts the
@@ -74,6 +79,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.finished_in_schedule: list[Sequence] = []
         self._held_steps = 0  # consecutive steps that held lower-priority prefills back
+        self._steps = 0  # schedule() calls so far: the clock of prefill_wait_steps
         # tokens one step may compute; a caller on a slow device may lower it (never above
         # max_num_batched_tokens) so that each step stays short: LLMEngine.set_step_budget
         self.step_token_budget = config.max_num_batched_tokens
@@ -115,6 +121,7 @@ class Scheduler:
                 f"cache ({self.bm.num_blocks} blocks x {self.bm.block_size} tokens = "
                 f"{self.bm.capacity_tokens} tokens, one is kept for the first output token)")
         seq.status = SeqStatus.WAITING
+        seq.queued_step = self._steps
         self.requests[seq.request_id] = seq
         insort_right(self.waiting, seq, key=self._key)
 
@@ -155,6 +162,7 @@ class Scheduler:
         self.bm.free(victim)  # before resetting computed: uncaches blocks never written
         victim.num_computed_tokens = 0
         victim.status = SeqStatus.PREEMPTED
+        victim.queued_step = self._steps
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
         insort_left(self.waiting, victim, key=self._key)  # ahead of later arrivals
@@ -175,6 +183,8 @@ class Scheduler:
         batch = ScheduledBatch()
         self.finished_in_schedule = []
         budget = self.step_token_budget
+        self._steps += 1
+        prefills = False  # does a running request get a prefill chunk this step
 
         # Priority policy: once a step prefills a request, requests of lower priority get only
         # their decode token in it (no prefill chunk, no admission), so a higher request's
@@ -214,10 +224,12 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n
+                prefills = prefills or n > 1
 
         # a step whose running requests ran short of blocks admits nobody (it would thrash)
         kv_short = bool(batch.preempted)
-        while not kv_short and self.waiting and budget > 0:
+        wait = bool(self.waiting and seqs and not prefills and self._hold_arrivals())
+        while not kv_short and not wait and self.waiting and budget > 0:
             seq = self.waiting[0]
             if hold and floor is not None and seq.priority < floor:
                 held = True
@@ -248,6 +260,14 @@ class Scheduler:
             budget -= n
         self._held_steps = self._held_steps + 1 if held else 0
         return batch
+
+    def _hold_arrivals(self) -> bool:
+        """In a decode-only step: should the waiting requests wait for a later step?"""
+        wait, head = self.config.prefill_wait_steps, self.waiting[0]
+        if not wait or self._steps - head.queued_step > wait:  # held `wait` steps already
+            return False
+        seats = self.config.max_num_seqs - len(self.running)
+        return len(self.waiting) < seats and not self._outranks(head)
 
     def _outranks(self, seq: Sequence) -> bool:
         """Priority policy: may waiting ``seq`` preempt the last running request?"""

@@ -45,6 +45,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    queued_step: int = 0  # the scheduler's step count when it last entered the waiting queue
     # tokens already produced before this Sequence existed (crash resume): they are part
     # of token_ids but count as output for max_tokens / penalties.
     num_resumed_output: int = 0

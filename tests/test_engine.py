@@ -98,6 +98,23 @@ def test_tiny_greedy_equals_hf_under_chunking_prefix_hits_and_preemption(arch, t
     assert again["again"] == ref[1][:3]
 
 
+def test_held_arrivals_change_no_output(tiny_model_dir):
+    """Requests held back while the batch decodes (prefill_wait_steps) join later and
+    generate exactly what they would have; on the CPU (no CUDA graphs) the default is 0."""
+    folder = str(tiny_model_dir("Qwen3ForCausalLM"))
+    rng = random.Random(5)
+    p = SamplingParams(max_tokens=12, **G)
+    arrivals = {step: [(f"r{step}", rng.choices(range(300), k=9), p)] for step in (0, 2, 3, 9)}
+    cfg = dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=64)
+    auto = LLMEngine(folder, **cfg)
+    assert auto.config.prefill_wait_steps == 0
+    held = LLMEngine(folder, prefill_wait_steps=4, **cfg)
+    waits = []
+    got = run(held, arrivals, lambda e: waits.append(e.scheduler.num_waiting))
+    assert got == run(auto, arrivals)
+    assert max(waits) >= 2, "the arrivals at steps 2 and 3 were not held together"
+
+
 def test_seeded_sampling_reproducible_across_runs_and_preemption(tiny_model_dir):
     folder = str(tiny_model_dir("Qwen3ForCausalLM"))
     prompts = [random.Random(k).choices(range(300), k=30) for k in range(4)]

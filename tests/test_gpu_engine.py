@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
+from engine.llm_engine import PREFILL_WAIT_STEPS
 from tests.test_engine import run
 
 pytestmark = [pytest.mark.gpu,
@@ -30,6 +31,8 @@ def test_cuda_engine_greedy_equals_cpu_reference(arch, tiny_model_dir):
     eager = run(LLMEngine(folder, device="cuda", enforce_eager=True, **cfg), arrivals)
     graphs_engine = LLMEngine(folder, device="cuda", **cfg)
     assert graphs_engine.runner.graphs, "CUDA graphs were not captured"
+    # the step-4 arrivals are held while the batch decodes (prefill_wait_steps' default)
+    assert graphs_engine.config.prefill_wait_steps == PREFILL_WAIT_STEPS > 0
     graphs = run(graphs_engine, arrivals)
     assert eager == ref
     assert graphs == ref

@@ -17,10 +17,11 @@ _ids = itertools.count()
 
 
 def make(num_blocks=16, bs=4, budget=64, max_seqs=8, chunked=True, prefix=True,
-         policy="priority"):
+         policy="priority", wait=None):
     cfg = EngineConfig(block_size=bs, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                        num_kv_blocks=num_blocks, enable_chunked_prefill=chunked,
-                       enable_prefix_caching=prefix, scheduling_policy=policy)
+                       enable_prefix_caching=prefix, scheduling_policy=policy,
+                       prefill_wait_steps=wait)
     sched = Scheduler(cfg, num_blocks)
     return sched, sched.bm
 
@@ -317,20 +318,84 @@ def test_can_admit():
     assert not sched.can_admit()  # no seat
 
 
+def decoding(sched: Scheduler, tokens=range(4), max_tokens=50) -> Sequence:
+    """A request already past its prefill: the next steps only decode."""
+    seq = req(sched, tokens, max_tokens=max_tokens)
+    run_step(sched)
+    assert seq.num_computed_tokens == seq.num_prompt_tokens
+    return seq
+
+
+def admitted(batch: ScheduledBatch, *seqs: Sequence) -> bool:
+    return all(s in batch.seqs for s in seqs)
+
+
+def test_arrivals_wait_while_the_batch_decodes_then_join_together():
+    sched, _ = make(wait=3)
+    a = decoding(sched)
+    b = req(sched, range(10, 16))
+    assert scheduled(run_step(sched)) == [(a, 1)]  # b held once
+    c = req(sched, range(20, 26))
+    assert scheduled(run_step(sched)) == [(a, 1)]  # b twice, c once
+    assert scheduled(run_step(sched)) == [(a, 1)]  # b three times
+    batch = run_step(sched)  # b goes in, and c with it
+    assert scheduled(batch) == [(a, 1), (b, 6), (c, 6)]
+
+
+def test_arrivals_are_not_held_by_default_or_with_zero():
+    for wait in (None, 0):
+        sched, _ = make(wait=wait)
+        a = decoding(sched)
+        b = req(sched, range(10, 16))
+        assert scheduled(run_step(sched)) == [(a, 1), (b, 6)]
+
+
+def test_a_step_that_prefills_anyway_admits_at_once():
+    sched, _ = make(wait=5, budget=10)
+    a = req(sched, range(4), max_tokens=50)
+    long = req(sched, range(100, 112))
+    run_step(sched)  # a's 4 and 6 of long's 12: long's prefill goes on in the next step
+    assert long.num_computed_tokens == 6
+    b = req(sched, range(10, 13))
+    assert scheduled(run_step(sched)) == [(a, 1), (long, 6), (b, 3)]
+
+
+def test_arrivals_that_fill_every_free_seat_go_in_at_once():
+    sched, _ = make(wait=10, max_seqs=3)
+    a = decoding(sched)
+    b, c = req(sched, range(10, 14)), req(sched, range(20, 24))  # 2 waiting, 2 free seats
+    assert admitted(run_step(sched), a, b, c)
+
+
+def test_an_arrival_that_outranks_a_running_request_is_not_held():
+    sched, _ = make(wait=10)
+    a = decoding(sched)
+    low = req(sched, range(10, 14), priority=0)
+    assert scheduled(run_step(sched)) == [(a, 1)]
+    high = req(sched, range(20, 24), priority=5)  # goes to the head of the queue
+    batch = run_step(sched)
+    assert admitted(batch, a, high) and low not in batch.seqs
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 14), st.integers(1, 6),
-                               st.integers(0, 2)), min_size=1, max_size=8),
+                               st.integers(0, 2), st.integers(0, 12)), min_size=1, max_size=8),
        num_blocks=st.integers(5, 12), budget=st.integers(4, 16), chunked=st.booleans(),
-       policy=st.sampled_from(["fcfs", "priority"]))
-def test_random_workloads_all_finish(reqs, num_blocks, budget, chunked, policy):
+       policy=st.sampled_from(["fcfs", "priority"]), wait=st.sampled_from([None, 0, 1, 4]))
+def test_random_workloads_all_finish(reqs, num_blocks, budget, chunked, policy, wait):
+    """Requests arriving at random steps all finish, whatever prefill_wait_steps."""
     if not chunked:  # like EngineConfig.validate: the budget must hold the longest request
         budget = num_blocks * 4
     sched, bm = make(num_blocks=num_blocks, budget=budget, max_seqs=4, chunked=chunked,
-                     policy=policy)
-    seqs = [req(sched, [p] * 4 + list(range(n)), max_tokens=m, priority=pr)
-            for p, n, m, pr in reqs if 4 + n + 1 <= bm.capacity_tokens]
-    for _ in range(500):
-        if not sched.has_unfinished():
+                     policy=policy, wait=wait)
+    arrivals = sorted((at, k) for k, (*_, at) in enumerate(reqs))
+    seqs = []
+    for step in range(500):
+        while arrivals and arrivals[0][0] <= step:
+            p, n, m, pr, _ = reqs[arrivals.pop(0)[1]]
+            if 4 + n + 1 <= bm.capacity_tokens:
+                seqs.append(req(sched, [p] * 4 + list(range(n)), max_tokens=m, priority=pr))
+        if not sched.has_unfinished() and not arrivals:
             break
         run_step(sched)
     assert not sched.has_unfinished()

@@ -45,7 +45,7 @@ WORKER_EXIT_CODES_HELP = "exit codes of `pagedq worker`:\n" + __doc__.split(
 # Every option defaults to None = not given, so that the environment and the config file
 # (worker/config.py) apply underneath it.
 ENGINE_INT_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                      "num_kv_blocks", "block_size")
+                      "num_kv_blocks", "block_size", "prefill_wait_steps")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,6 +149,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="sequences in one engine step (default: 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="token budget of one engine step, >= --max-num-seqs (default: 2048)")
+    p.add_argument("--prefill-wait-steps", type=int, default=None, metavar="N",
+                   help="decode-only steps a new job may wait so that arrivals are "
+                        "prefilled together (a step that prefills runs without CUDA graphs) "
+                        "(default: 16 where CUDA graphs are captured, else 0)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="longest sequence, prompt + output (default: the model's context "
                         "length, lowered to what the KV cache holds)")

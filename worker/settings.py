@@ -27,7 +27,7 @@ ENGINE_FIELDS = (
     "gpu_memory_utilization", "enforce_eager", "use_triton", "seed", "scheduling_policy",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "async_scheduling",
     "block_size", "num_kv_blocks", "kv_cache_memory_gb", "enable_prefix_caching",
-    "tensor_parallel_size",
+    "tensor_parallel_size", "prefill_wait_steps",
 )
 
 
@@ -55,6 +55,9 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     async_scheduling: bool | None = None  # None: on for CUDA, off on the CPU
+    # decode-only steps a new request may be held so arrivals are prefilled together;
+    # None: 16 with CUDA graphs, else 0
+    prefill_wait_steps: int | None = Field(None, ge=0)
 
     # ---- cache (YAML section `cache:`) ----
     block_size: int = 16
