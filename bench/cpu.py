@@ -33,15 +33,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Give three tips for learning Python.",
-    "Explain what a hash table is in two sentences.",
-    "Name the planets of the solar system.",
-    "What is 17 times 3? Answer briefly.",
-    "Translate 'good morning' into Spanish and German.",
-    "Why is the sky blue? One sentence.",
+from worker.demo import PROMPTS as DEMO_PROMPTS  # noqa: E402
+
+PROMPTS = [  # the demo's 8, then 8 more
+    *DEMO_PROMPTS,
     "Describe a cat to someone who has never seen one.",
     "What should I pack for a weekend in the mountains?",
     "Summarise the plot of Romeo and Juliet.",

@@ -395,7 +395,7 @@ def file_worker(tmp_path_factory, tiny_dir, shared_redis_server):
     prefix, wid = f"cfg{uuid.uuid4().hex[:8]}", f"cfgw-{uuid.uuid4().hex[:6]}"
     path = d / "worker.yaml"
     path.write_text(f"model:\n  path: {tiny_dir}\n  served_name: tinycfg\n  device: cpu\n"
-                    f"  max_model_len: 64\nscheduler:\n  max_num_seqs: 2\n"
+                    f"  max_model_len: 64\nscheduler:\n  max_num_seqs: 2\n  prefill_wait_steps: 2\n"
                     f"service:\n  redis_url: {shared_redis_server.url}\n  prefix: {prefix}\n"
                     f"  worker_id: {wid}\n  log_level: debug\n  heartbeat_ttl_s: 0.6\n",
                     encoding="utf-8")
@@ -434,6 +434,8 @@ def test_worker_from_file_serves_and_refuses_prompts_over_its_max_model_len(file
     assert len(logged) == 1 and logged[0]["config_file"].endswith("worker.yaml")
     assert logged[0]["settings"]["scheduler.max_num_seqs"] == "2 (file)"
     assert logged[0]["settings"]["model.max_model_len"] == "64 (file)"
+    # the engine took it (the CPU's default is 0): the ready line says so
+    assert "arrivals wait <= 2 steps" in file_worker.log_path.read_text()
 
 
 def test_worker_from_file_runs_at_most_its_max_num_seqs_jobs(file_worker):

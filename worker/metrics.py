@@ -20,6 +20,10 @@ def observe_many(hist: Histogram, amount: float, count: int) -> None:
     token alone cost the engine thread ~1 us per running job per step. prometheus_client
     has no weighted observe; its value slots (``_sum``, ``_buckets``, ``_upper_bounds``,
     the last bucket +Inf) are what ``Histogram.observe`` itself updates."""
+    if not hasattr(hist, "_upper_bounds"):  # another prometheus_client layout: the slow way
+        for _ in range(count):
+            hist.observe(amount)
+        return
     hist._sum.inc(amount * count)
     for bound, bucket in zip(hist._upper_bounds, hist._buckets, strict=True):
         if amount <= bound:

@@ -109,7 +109,8 @@ def describe(engine: Any, cfg: Any, worker_id: str) -> str:
         f"model {s.model} on {r.device}, {dtype}",
         kv,
         f"max {c.max_num_seqs} seqs, {c.max_num_batched_tokens:,} tokens/step, "
-        f"context {engine.max_model_len:,}",
+        f"context {engine.max_model_len:,}"
+        + (f", arrivals wait <= {c.prefill_wait_steps} steps" if c.prefill_wait_steps else ""),
         metrics,
         f"{redact_url(s.redis_url)}{' (cluster)' if s.redis_cluster else ''} prefix "
         f"{prefixes}{f' x {s.partitions} partitions' if s.partitions > 1 else ''}, "
