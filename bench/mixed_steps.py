@@ -3,12 +3,12 @@ without new prompts mixed into a full decode batch (LLMEngine directly, no Redis
 
 A batch of --running sequences is prefilled and decoding; then, for each --every k, one
 new request (--prompt tokens) is added before every k-th step for --steps steps (k = 0: none
-added, decode only). Reported per k: wall ms per step, output tok/s, how many steps held
-a prefill. With CUDA graphs only decode-only steps replay a graph; a step that holds a
-prefill runs the eager model, so its cost shows here. Then cProfile's view of
---profile-steps mixed steps: the Python functions (Triton's launcher, torch ops, ours) by
-own time, i.e. where the host time of an eager step goes (cProfile slows each call, so
-read shares, not absolute times).
+added, decode only). Reported per k: wall ms per step, output tok/s, how many steps began
+with a prompt pending (waiting, held back, or not yet computed). With CUDA graphs only
+decode-only steps replay a graph; a step that holds a prefill runs the eager model, so
+its cost shows here. Then cProfile's view of --profile-steps mixed steps: the Python
+functions (Triton's launcher, torch ops, ours) by own time, i.e. where the host time of an
+eager step goes (cProfile slows each call, so read shares, not absolute times).
 
   python bench/mixed_steps.py [--shape qwen3-0.6b] [--running 192] [--prompt 512]
                               [--every 0 1 4 16] [--steps 120] [--enforce-eager] [--out DIR]
@@ -68,18 +68,21 @@ def main() -> int:
     for _ in range(10):  # decode only: graphs warm
         engine.step()
 
-    def mixed() -> bool:
+    def prompt_pending() -> bool:
+        """A prompt not (known to be) computed yet: waiting, held, or mid-prefill. With async
+        scheduling the computed counts trail the launched step, so this over-counts the
+        steps that really prefilled by a step or two per prompt."""
         return any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
                    ) or bool(engine.scheduler.waiting)
 
     rows = []
     for k in args.every:
-        tokens = with_prefill = 0
+        tokens = pending = 0
         t0 = time.perf_counter()
         for i in range(args.steps):
             if k and i % k == 0:
                 add()
-            with_prefill += mixed()
+            pending += prompt_pending()
             tokens += len(engine.step())
         dt = time.perf_counter() - t0
         for s in list(engine.scheduler.running)[args.running:]:  # back to --running
@@ -87,10 +90,10 @@ def main() -> int:
         for _ in range(3):
             engine.step()
         rows.append(dict(every=k, ms_per_step=dt / args.steps * 1e3, tok_s=tokens / dt,
-                         steps_with_prefill=with_prefill, steps=args.steps))
+                         steps_begun_with_prompt_pending=pending, steps=args.steps))
         print(f"add one every {k or '-':>3} steps: {rows[-1]['ms_per_step']:7.2f} ms/step "
-              f"{rows[-1]['tok_s']:9.0f} tok/s  ({with_prefill}/{args.steps} steps held a "
-              f"prefill)", flush=True)
+              f"{rows[-1]['tok_s']:9.0f} tok/s  ({pending}/{args.steps} steps began with a "
+              f"prompt pending)", flush=True)
 
     prof = cProfile.Profile()
     prof.enable()
