@@ -9,7 +9,9 @@ sampled every 8th step.
 
   python bench/offline.py [--shape qwen3-0.6b|llama-3.2-1b|llama-3.1-8b|llama-3.1-70b|tiny]
                           [--num-seqs 256] [--tensor-parallel-size N]
-                          [--enforce-eager] [--disable rms_norm,fused_add_rms_norm,apply_rotary]
+                          [--enforce-eager] [--disable fused_add_rms_norm,qk_norm_rope_store]
+(--disable qk_norm_rope_store runs the unfused norm / rotary / store kernels instead: see
+engine/layers/ops.py; list those too for their torch twins, with --enforce-eager.)
 (bench/tp.py runs it at several --tensor-parallel-size values and compares.)
 """
 from __future__ import annotations

@@ -119,6 +119,28 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return rot(q), rot(k)
 
 
+def scaled_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale as the store kernels compute it (float32 times the inverse); x at 1.0."""
+    return x if scale == 1.0 else x.float() * (1.0 / scale)
+
+
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, eps: float, *, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head rms_norm of q and k (Qwen3; weights None: none), apply_rotary, then
+    store_kvcache of the rotated k and v (divided by k_scale / v_scale). Returns the rotated
+    (q, k); the fused kernel (kernels/rope_store.py) rotates q and k in place, this twin
+    returns new tensors: callers use the result."""
+    if q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    q, k = apply_rotary(q, k, positions, cos_sin_cache)
+    store_kvcache(scaled_kv(k, k_scale), scaled_kv(v, v_scale), k_cache, v_cache, slot_mapping)
+    return q, k
+
+
 # SplitMix64 (Steele, Lea, Flood 2014): output i of the stream started at key k is
 # mix(k + i * GAMMA). Counter-based: any element can be computed on its own, on any device.
 GAMMA, C1, C2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB

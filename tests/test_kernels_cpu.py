@@ -145,6 +145,38 @@ def test_rotary_equals_twin_bit_for_bit(dtype, side_by_side):
     assert torch.equal(qkv, before)  # inputs untouched
 
 
+@pytest.mark.parametrize("dtype,kv_dtype", [(F32, F32), (BF, BF), (F32, FP8), (BF, FP8)])
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("disabled", [False, True])
+def test_qk_norm_rope_store_equals_twin_bit_for_bit(monkeypatch, dtype, kv_dtype, qk_norm,
+                                                    disabled):
+    """Views of one qkv projection, GQA 4/2, a slot -1 row, fp8 caches with V transposed and
+    scales; through ops (the CPU module, or the unfused ops when the fused one is disabled
+    for an ablation) against the twin."""
+    if disabled:
+        monkeypatch.setattr(ops, "_disabled", {"qk_norm_rope_store"})
+    g = torch.Generator().manual_seed(3)
+    nb, bs, d = 4, 8, 32
+    cache = R.rotary_cos_sin(d, 64, 10000.0)
+    qkv = torch.randn(6, 8 * d, generator=g).to(dtype)  # [q: 4 heads | k: 2 | v: 2]
+    w = [torch.randn(d, generator=g).to(dtype) for _ in range(2)] if qk_norm else [None] * 2
+    pos = torch.tensor([0, 7, 3, 63, 20, 5])
+    slots = torch.tensor([3, -1, 30, 17, 31, 0])
+    scales = dict(k_scale=0.5, v_scale=2.0) if kv_dtype == FP8 else {}
+    out, caches = [], []
+    for fn in (ops.qk_norm_rope_store, R.qk_norm_rope_store):
+        buf = qkv.clone()
+        kc, vs = (torch.zeros(nb, bs, 2, d, dtype=kv_dtype) for _ in range(2))
+        vc = transposed_view(vs) if kv_dtype == FP8 else vs
+        q, k, v = buf[:, :128].view(6, 4, d), buf[:, 128:192].view(6, 2, d), \
+            buf[:, 192:].view(6, 2, d)
+        out.append(fn(q, k, v, pos, cache, kc, vc, slots, *w, 1e-6, **scales))
+        caches.append((kc, vs))
+    for a, b in zip(out[0] + caches[0], out[1] + caches[1], strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert caches[0][0].view(torch.uint8)[0, 3].any()  # slot 3 written (k)
+
+
 def test_empty_batch():
     q, kc = torch.empty(0, 4, 32), torch.zeros(4, 8, 2, 32)
     bt, lens = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)

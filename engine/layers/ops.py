@@ -26,6 +26,7 @@ TRITON_MODULES = {
     "rms_norm": "kernels.norm",
     "fused_add_rms_norm": "kernels.norm",
     "apply_rotary": "kernels.rotary",
+    "qk_norm_rope_store": "kernels.rope_store",
     "gumbel_argmax": "kernels.sampling",
     "silu_and_mul": "kernels.activation",
 }
@@ -87,6 +88,24 @@ def fused_add_rms_norm(x, residual, weight, eps):
 
 def apply_rotary(q, k, positions, cos_sin_cache):
     return _op("apply_rotary", q)(q, k, positions, cos_sin_cache)
+
+
+def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                       q_weight, k_weight, eps, *, k_scale=1.0, v_scale=1.0):
+    """Per-head q/k RMSNorm (weights None: none), rotary, K/V store; returns rotated (q, k).
+    Disabled (ablation), it runs the ops it fuses, each dispatched as usual: the unfused
+    Triton kernels on CUDA unless they are disabled too (all four: the twins; the twin's
+    store is not CUDA-graph capturable: bench with --enforce-eager then)."""
+    if "qk_norm_rope_store" in _disabled:
+        if q_weight is not None:
+            q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+        q, k = apply_rotary(q, k, positions, cos_sin_cache)
+        store_kvcache(reference.scaled_kv(k, k_scale), reference.scaled_kv(v, v_scale),
+                      k_cache, v_cache, slot_mapping)
+        return q, k
+    return _op("qk_norm_rope_store", q)(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                                        slot_mapping, q_weight, k_weight, eps,
+                                        k_scale=k_scale, v_scale=v_scale)
 
 
 def gumbel_argmax(logits, temperature, keys, vocab_size):

@@ -66,10 +66,13 @@ class LlamaAttention(nn.Module):
                                           self.nkv * self.hd], dim=-1)
         q, k, v = q.view(-1, self.nh, self.hd), k.view(-1, self.nkv, self.hd), \
             v.view(-1, self.nkv, self.hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v, meta)
+        qw = kw = None
+        eps = 0.0
+        if self.q_norm is not None:  # Qwen3: q/k head norms fused into the same kernel
+            qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        q, k = self.attn.norm_rope_store(q, k, v, positions,
+                                         self.rotary.cos_sin_cache(q.device), meta, qw, kw, eps)
+        o = self.attn.attend(q, meta)
         return self.o_proj(o.reshape(-1, self.nh * self.hd))
 
 

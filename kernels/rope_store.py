@@ -1,0 +1,175 @@
+"""Qwen3 per-head q/k RMSNorm + rotary + K/V cache store in ONE launch (per layer and step).
+
+Replaces norm.rms_norm on q and on k (Qwen3 only), rotary.apply_rotary and
+store_kvcache.store_kvcache. Rounds where they do: the normalised head is rounded to its
+dtype, rotated in fp32 from that rounded value and rounded again; the cache gets the
+rotated k (and v) cast to its dtype, times 1 / scale first when scaled. Without the norm
+the result is theirs bit for bit; the norm's sum of squares adds the two halves of a head
+separately, so its statistic may differ from rms_norm's in the last bit.
+
+q [T, Hq, D], k and v [T, Hkv, D]: last dim contiguous, token and head strides free (views
+of a fused qkv buffer are fine). q and k are rotated IN PLACE and returned. positions [T]
+int32/int64; cos_sin_cache [max_position, D] float32 (reference.rotary_cos_sin).
+k_cache, v_cache [num_blocks, block_size, Hkv, D]: contiguous or a transposed_view
+(kernels/layout.py), written through their strides; slot_mapping [T] int64, -1 = the token's
+K/V are not stored (its q and k are still rotated).
+Grid (T, 2): program (t, 0) does token t's q heads, (t, 1) its k heads (stored too) and
+stores its v heads: two programs per token of all its heads (one per head was ~2x slower
+on the H200: 5.7 us per layer at 180 tokens).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.layout import CACHE, FLOAT, is_paged_layout
+
+
+@triton.jit
+def _norm_rope(x_ptr, s_h, w_ptr, eps, cos, sin, H: tl.constexpr, H_PAD: tl.constexpr,
+               D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    """All H heads of one token at x_ptr (head stride s_h): (RMSNorm per head, rounded to
+    the dtype,) rotated, rounded, stored in place. Returns the stored halves [H_PAD, HALF]."""
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, HALF)
+    mask = (offs_h < H)[:, None]
+    p1 = x_ptr + offs_h[:, None] * s_h + offs_d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    if NORM:
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        ss = tl.sum(a * a, 1) + tl.sum(b * b, 1)
+        inv = (1.0 / tl.sqrt(ss / D + eps))[:, None]
+        w1 = tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
+        x1 = (a * inv * w1).to(x1.dtype)
+        x2 = (b * inv * w2).to(x2.dtype)
+    a = x1.to(tl.float32)  # rotary._rot_heads' arithmetic
+    b = x2.to(tl.float32)
+    r1 = (a * cos - b * sin).to(x1.dtype)
+    r2 = (b * cos + a * sin).to(x1.dtype)
+    tl.store(p1, r1, mask=mask)
+    tl.store(p1 + HALF, r2, mask=mask)
+    return r1, r2
+
+
+@triton.jit
+def _store_rows(c_ptr, slot, x, d0, inv, s_b, s_o, s_h, s_d, H: tl.constexpr,
+                H_PAD: tl.constexpr, N: tl.constexpr, BS: tl.constexpr,
+                SCALED: tl.constexpr):
+    """x [H_PAD, N] -> cache elements (slot, h, d0 .. d0 + N - 1) of heads h < H, as
+    store_kvcache does."""
+    blk = slot // BS  # int64: no overflow on large caches
+    off = slot % BS
+    h = tl.arange(0, H_PAD)[:, None]
+    d = d0 + tl.arange(0, N)[None, :]
+    if SCALED:
+        x = x.to(tl.float32) * inv
+    tl.store(c_ptr + blk * s_b + off * s_o + h * s_h + d * s_d,
+             x.to(c_ptr.dtype.element_ty), mask=h < H)
+
+
+# positions and slot_mapping are slices of packed buffers: their alignment changes with T,
+# which must not compile a new variant mid-run (CUDA graphs capture several T).
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
+def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
+                       qw_ptr, kw_ptr, eps, k_inv, v_inv, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
+                       s_kcb, s_kco, s_kch, s_kcd, s_vcb, s_vco, s_vch, s_vcd,
+                       HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr,
+                       HK_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                       BS: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, HALF)
+    cos = tl.load(cs_ptr + pos * (2 * HALF) + offs_d)[None, :]
+    sin = tl.load(cs_ptr + pos * (2 * HALF) + HALF + offs_d)[None, :]
+    if tl.program_id(1) == 0:
+        _norm_rope(q_ptr + t * s_qt, s_qh, qw_ptr, eps, cos, sin, HQ, HQ_PAD, D, HALF, NORM)
+    else:
+        k1, k2 = _norm_rope(k_ptr + t * s_kt, s_kh, kw_ptr, eps, cos, sin, HK, HK_PAD, D,
+                            HALF, NORM)
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            _store_rows(kc_ptr, slot, k1, 0, k_inv, s_kcb, s_kco, s_kch, s_kcd, HK, HK_PAD,
+                        HALF, BS, SCALED)
+            _store_rows(kc_ptr, slot, k2, HALF, k_inv, s_kcb, s_kco, s_kch, s_kcd, HK,
+                        HK_PAD, HALF, BS, SCALED)
+            offs_h = tl.arange(0, HK_PAD)[:, None]
+            v = tl.load(v_ptr + t * s_vt + offs_h * s_vh + tl.arange(0, D)[None, :],
+                        mask=offs_h < HK, other=0.0)
+            _store_rows(vc_ptr, slot, v, 0, v_inv, s_vcb, s_vco, s_vch, s_vcd, HK, HK_PAD, D,
+                        BS, SCALED)
+
+
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, eps: float, *, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMS-normalise each q head by q_weight [D] and each k head by k_weight [D] (both None:
+    no norm), rotate q and k in place, store k / k_scale and v / v_scale at slot_mapping
+    (-1 skipped). Returns (q, k). Positions must be < max_position and slots <
+    num_blocks * block_size (not checked: that would need a host sync)."""
+    def bad(msg: str):
+        raise ValueError(f"qk_norm_rope_store: {msg}")
+
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0] \
+            or q.shape[2] != k.shape[2]:
+        bad(f"q [T, Hq, D], k and v [T, Hkv, D] must share T and D, got {tuple(q.shape)}, "
+            f"{tuple(k.shape)} and {tuple(v.shape)}")
+    T, hq, d = q.shape
+    hk = k.shape[1]
+    if q.dtype not in FLOAT or k.dtype not in FLOAT or v.dtype not in FLOAT:
+        bad(f"q, k and v must be fp16/bf16/fp32, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if d < 2 or d & (d - 1):
+        bad(f"head_dim must be a power of 2, got {d}")
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        bad("q's, k's and v's last dim must be contiguous")
+    if (q_weight is None) != (k_weight is None):
+        bad("q_weight and k_weight must both be given (q/k norm) or both be None")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w is not None and (w.dtype not in FLOAT or w.shape != (d,) or not w.is_contiguous()):
+            bad(f"{name} must be a contiguous fp16/bf16/fp32 [D={d}], got {w.dtype} "
+                f"{tuple(w.shape)}")
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 \
+            or cos_sin_cache.shape[1] != d or not cos_sin_cache.is_contiguous():
+        bad(f"cos_sin_cache must be contiguous float32 [max_position, D={d}], got "
+            f"{cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
+    if positions.dtype not in (torch.int32, torch.int64) or positions.shape != (T,) \
+            or not positions.is_contiguous():
+        bad(f"positions must be contiguous int32/int64 [T={T}], got {positions.dtype} "
+            f"{tuple(positions.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (hk, d):
+        bad(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv={hk}, D={d}], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype not in CACHE or v_cache.dtype not in CACHE:
+        bad(f"caches must be fp16/bf16/fp32/float8_e4m3fn, got {k_cache.dtype} and "
+            f"{v_cache.dtype}")
+    if not (is_paged_layout(k_cache) and is_paged_layout(v_cache)):
+        bad("k_cache and v_cache must each be contiguous or a transposed_view, got strides "
+            f"{k_cache.stride()} and {v_cache.stride()}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (T,) \
+            or not slot_mapping.is_contiguous():
+        bad(f"slot_mapping must be contiguous int64 [T={T}], got {slot_mapping.dtype} "
+            f"{tuple(slot_mapping.shape)}")
+    if not (k_scale > 0 and v_scale > 0):
+        bad(f"k_scale and v_scale must be > 0, got {k_scale} and {v_scale}")
+    tensors = (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    devs = {x.device for x in tensors + tuple(w for w in (q_weight, k_weight) if w is not None)}
+    if len(devs) != 1:
+        bad(f"all tensors must be on one device, got {devs}")
+    if T == 0:
+        return q, k
+    norm = q_weight is not None
+    _rope_store_kernel[(T, 2)](
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        q_weight if norm else q, k_weight if norm else k, float(eps),
+        1.0 / k_scale, 1.0 / v_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), *k_cache.stride(), *v_cache.stride(),
+        HQ=hq, HQ_PAD=triton.next_power_of_2(hq), HK=hk, HK_PAD=triton.next_power_of_2(hk),
+        D=d, HALF=d // 2, BS=k_cache.shape[1], NORM=norm,
+        SCALED=k_scale != 1.0 or v_scale != 1.0, num_warps=4)
+    return q, k
