@@ -184,11 +184,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_ctx: int, num_sms: int,
-                      block_n: int, per_sm: int = 3) -> int:
+                      block_n: int, per_sm: int = 4) -> int:
     """Splits per sequence so that all B * Hkv * S programs are resident in ONE wave.
 
     The default tiles (D 128, BLOCK_N 64, 4 warps) take 127 registers (ptxas, sm_90): 4
-    programs fit an SM; 3 is assumed, so a wave never spills into a mostly idle second one.
+    programs fit an SM, and bf16 assumes 4 (per_sm; 3 left B = 32 x 1,200-2,000 uneven
+    tokens at one program per SM: 75 us against 59.5 with 2 splits, H200).
     One wave of >= 100 programs keeps far more than the ~4 MB needed in flight (each has a
     32 KiB K+V tile outstanding), so extra splits would only add the reduction's cost. No
     split is shorter than max(4 tiles, 256 tokens). An fp8 cache passes per_sm=8: its
@@ -246,7 +247,7 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
     v_t = is_transposed(v_cache)
     if num_splits is None:
         num_splits = choose_num_splits(B, hkv, max_ctx, _num_sms(q.device), block_n,
-                                       per_sm=8 if fp8 else 3)
+                                       per_sm=8 if fp8 else 4)
     if num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
     # bench/kernels.py --fp8-sweep picked these (module doc); fp8 with a token-major V keeps
@@ -255,7 +256,11 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
     if num_warps is None:
         num_warps = 1 if small else 4
     if num_stages is None:
-        num_stages = 2 if small or d > 128 else 5 if fp8 else 3
+        # bf16: a deeper pipeline pays once programs queue for SMs (workload-1 contexts, H200:
+        # B 180 x 400-1,400 tokens 162.0 us at 5 stages against 166.3 at 3; B 64 x
+        # 1,000-2,000, 2.2 programs per SM: 3 stages ahead)
+        deep = B * hkv * num_splits >= 8 * _num_sms(q.device)
+        num_stages = 2 if small or d > 128 else 5 if fp8 or deep else 3
     g_pad = max(16, triton.next_power_of_2(g))
     if num_splits > 1:
         part = torch.empty(B, hq, num_splits, d, dtype=torch.float32, device=q.device)
