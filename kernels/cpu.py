@@ -20,6 +20,7 @@ new ones every step; a non-inference tensor's in-place change is also caught by 
 """
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -296,20 +297,13 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return out[:, :q.shape[1]], out[:, q.shape[1]:]
 
 
-def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, q_weight: torch.Tensor | None,
-                       k_weight: torch.Tensor | None, eps: float, *, k_scale: float = 1.0,
-                       v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                       q_weight, k_weight, eps, *, k_scale=1.0, v_scale=1.0):
     """reference.qk_norm_rope_store as the same composition of this module's ops (each equal
     to its twin, so the whole is too)."""
-    if q_weight is not None:
-        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
-    q, k = apply_rotary(q, k, positions, cos_sin_cache)
-    store_kvcache(reference.scaled_kv(k, k_scale), reference.scaled_kv(v, v_scale), k_cache,
-                  v_cache, slot_mapping)
-    return q, k
+    return reference.rope_store_with(sys.modules[__name__], q, k, v, positions, cos_sin_cache,
+                                     k_cache, v_cache, slot_mapping, q_weight, k_weight, eps,
+                                     k_scale, v_scale)
 
 
 gumbel_argmax = reference.gumbel_argmax  # already one batched pass of torch ops

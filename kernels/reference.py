@@ -3,6 +3,8 @@ and the CPU path (kernels/cpu.py, which the CPU engine runs) against them. Writt
 clarity, not speed (loops over sequences)."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -134,10 +136,19 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     store_kvcache of the rotated k and v (divided by k_scale / v_scale). Returns the rotated
     (q, k); the fused kernel (kernels/rope_store.py) rotates q and k in place, this twin
     returns new tensors: callers use the result."""
+    return rope_store_with(sys.modules[__name__], q, k, v, positions, cos_sin_cache, k_cache,
+                           v_cache, slot_mapping, q_weight, k_weight, eps, k_scale, v_scale)
+
+
+def rope_store_with(ops, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                    q_weight, k_weight, eps, k_scale, v_scale):
+    """qk_norm_rope_store composed of ``ops``' rms_norm, apply_rotary and store_kvcache (this
+    module's, kernels/cpu.py's, or engine/layers/ops.py's dispatchers for the ablation)."""
     if q_weight is not None:
-        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
-    q, k = apply_rotary(q, k, positions, cos_sin_cache)
-    store_kvcache(scaled_kv(k, k_scale), scaled_kv(v, v_scale), k_cache, v_cache, slot_mapping)
+        q, k = ops.rms_norm(q, q_weight, eps), ops.rms_norm(k, k_weight, eps)
+    q, k = ops.apply_rotary(q, k, positions, cos_sin_cache)
+    ops.store_kvcache(scaled_kv(k, k_scale), scaled_kv(v, v_scale), k_cache, v_cache,
+                      slot_mapping)
     return q, k
 
 

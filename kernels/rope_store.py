@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import CACHE, FLOAT, is_paged_layout
+from kernels.layout import CACHE, FLOAT
+from kernels.rotary import check_rotary_inputs
+from kernels.store_kvcache import check_slots
 
 
 @triton.jit
@@ -134,27 +136,14 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if w is not None and (w.dtype not in FLOAT or w.shape != (d,) or not w.is_contiguous()):
             bad(f"{name} must be a contiguous fp16/bf16/fp32 [D={d}], got {w.dtype} "
                 f"{tuple(w.shape)}")
-    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 \
-            or cos_sin_cache.shape[1] != d or not cos_sin_cache.is_contiguous():
-        bad(f"cos_sin_cache must be contiguous float32 [max_position, D={d}], got "
-            f"{cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
-    if positions.dtype not in (torch.int32, torch.int64) or positions.shape != (T,) \
-            or not positions.is_contiguous():
-        bad(f"positions must be contiguous int32/int64 [T={T}], got {positions.dtype} "
-            f"{tuple(positions.shape)}")
+    check_rotary_inputs(bad, positions, cos_sin_cache, T, d)
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (hk, d):
         bad(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv={hk}, D={d}], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if k_cache.dtype not in CACHE or v_cache.dtype not in CACHE:
         bad(f"caches must be fp16/bf16/fp32/float8_e4m3fn, got {k_cache.dtype} and "
             f"{v_cache.dtype}")
-    if not (is_paged_layout(k_cache) and is_paged_layout(v_cache)):
-        bad("k_cache and v_cache must each be contiguous or a transposed_view, got strides "
-            f"{k_cache.stride()} and {v_cache.stride()}")
-    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (T,) \
-            or not slot_mapping.is_contiguous():
-        bad(f"slot_mapping must be contiguous int64 [T={T}], got {slot_mapping.dtype} "
-            f"{tuple(slot_mapping.shape)}")
+    check_slots(bad, k_cache, v_cache, slot_mapping, T)
     if not (k_scale > 0 and v_scale > 0):
         bad(f"k_scale and v_scale must be > 0, got {k_scale} and {v_scale}")
     tensors = (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)

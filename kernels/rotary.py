@@ -46,6 +46,20 @@ def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, s_qt, s_qh, s_kt, s_kh,
 
 
 
+def check_rotary_inputs(bad, positions: torch.Tensor, cos_sin_cache: torch.Tensor, T: int,
+                        d: int) -> None:
+    """``bad(msg)`` (raises) unless positions [T] and cos_sin_cache [max_position, d] suit
+    the kernels (this one and kernels/rope_store.py)."""
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 \
+            or cos_sin_cache.shape[1] != d or not cos_sin_cache.is_contiguous():
+        bad(f"cos_sin_cache must be contiguous float32 [max_position, D={d}], got "
+            f"{cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
+    if positions.dtype not in (torch.int32, torch.int64) or positions.shape != (T,) \
+            or not positions.is_contiguous():
+        bad(f"positions must be contiguous int32/int64 [T={T}], got {positions.dtype} "
+            f"{tuple(positions.shape)}")
+
+
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q [T, Hq, D] and k [T, Hkv, D] in place and returns (q, k).
@@ -63,14 +77,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         bad(f"head_dim must be a power of 2, got {d}")
     if q.stride(2) != 1 or k.stride(2) != 1:
         bad("q's and k's last dim must be contiguous")
-    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 \
-            or cos_sin_cache.shape[1] != d or not cos_sin_cache.is_contiguous():
-        bad(f"cos_sin_cache must be contiguous float32 [max_position, D={d}], got "
-            f"{cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
-    if positions.dtype not in (torch.int32, torch.int64) or positions.shape != (T,) \
-            or not positions.is_contiguous():
-        bad(f"positions must be contiguous int32/int64 [T={T}], got {positions.dtype} "
-            f"{tuple(positions.shape)}")
+    check_rotary_inputs(bad, positions, cos_sin_cache, T, d)
     devs = {x.device for x in (q, k, positions, cos_sin_cache)}
     if len(devs) != 1:
         bad(f"all tensors must be on one device, got {devs}")

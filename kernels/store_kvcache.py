@@ -47,6 +47,19 @@ def _store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, s_kt, s_vt, k_inv, v_i
 
 
 
+def check_slots(bad, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, T: int) -> None:
+    """``bad(msg)`` (raises) unless the caches' layouts and slot_mapping [T] suit the store
+    kernels (this one and kernels/rope_store.py)."""
+    if not (is_paged_layout(k_cache) and is_paged_layout(v_cache)):
+        bad("k_cache and v_cache must each be contiguous or a transposed_view, got strides "
+            f"{k_cache.stride()} and {v_cache.stride()}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (T,) \
+            or not slot_mapping.is_contiguous():
+        bad(f"slot_mapping must be contiguous int64 [T={T}], got {slot_mapping.dtype} "
+            f"{tuple(slot_mapping.shape)}")
+
+
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
                   v_scale: float = 1.0) -> None:
@@ -72,13 +85,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     for name, x in (("key", key), ("value", value)):
         if x.stride(2) != 1 or x.stride(1) != d:
             bad(f"{name}'s [Hkv, D] rows must be contiguous, got strides {x.stride()}")
-    if not (is_paged_layout(k_cache) and is_paged_layout(v_cache)):
-        bad("k_cache and v_cache must each be contiguous or a transposed_view, got strides "
-            f"{k_cache.stride()} and {v_cache.stride()}")
-    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (T,) \
-            or not slot_mapping.is_contiguous():
-        bad(f"slot_mapping must be contiguous int64 [T={T}], got {slot_mapping.dtype} "
-            f"{tuple(slot_mapping.shape)}")
+    check_slots(bad, k_cache, v_cache, slot_mapping, T)
     devs = {x.device for x in (key, value, k_cache, v_cache, slot_mapping)}
     if len(devs) != 1:
         bad(f"all tensors must be on one device, got {devs}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -97,12 +98,9 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
     Triton kernels on CUDA unless they are disabled too (all four: the twins; the twin's
     store is not CUDA-graph capturable: bench with --enforce-eager then)."""
     if "qk_norm_rope_store" in _disabled:
-        if q_weight is not None:
-            q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
-        q, k = apply_rotary(q, k, positions, cos_sin_cache)
-        store_kvcache(reference.scaled_kv(k, k_scale), reference.scaled_kv(v, v_scale),
-                      k_cache, v_cache, slot_mapping)
-        return q, k
+        return reference.rope_store_with(sys.modules[__name__], q, k, v, positions,
+                                         cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                         q_weight, k_weight, eps, k_scale, v_scale)
     return _op("qk_norm_rope_store", q)(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                                         slot_mapping, q_weight, k_weight, eps,
                                         k_scale=k_scale, v_scale=v_scale)
