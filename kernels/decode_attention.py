@@ -245,8 +245,9 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
     f32_dot = q.dtype == torch.float32 or q.device.type == "cpu"
     fp8 = k_cache.dtype == torch.float8_e4m3fn and not f32_dot
     v_t = is_transposed(v_cache)
+    sms = _num_sms(q.device)
     if num_splits is None:
-        num_splits = choose_num_splits(B, hkv, max_ctx, _num_sms(q.device), block_n,
+        num_splits = choose_num_splits(B, hkv, max_ctx, sms, block_n,
                                        per_sm=8 if fp8 else 4)
     if num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
@@ -259,7 +260,7 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
         # bf16: a deeper pipeline pays once programs queue for SMs (workload-1 contexts, H200:
         # B 180 x 400-1,400 tokens 162.0 us at 5 stages against 166.3 at 3; B 64 x
         # 1,000-2,000, 2.2 programs per SM: 3 stages ahead)
-        deep = B * hkv * num_splits >= 8 * _num_sms(q.device)
+        deep = B * hkv * num_splits >= 8 * sms
         num_stages = 2 if small or d > 128 else 5 if fp8 or deep else 3
     g_pad = max(16, triton.next_power_of_2(g))
     if num_splits > 1:

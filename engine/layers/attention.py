@@ -29,8 +29,9 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. k_cache/v_cache are views of the
-    runner's KV cache, assigned after allocation (empty tensors until then)."""
+    """q [T, Hq, D], k/v [T, Hkv, D] (as the qkv projection made them) -> [T, Hq, D].
+    k_cache/v_cache are views of the runner's KV cache, assigned after allocation (empty
+    tensors until then)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -41,26 +42,15 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Store this step's k/v, then attend (q, k already rotated)."""
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.attend(q, meta)
-
-    def norm_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                        meta: AttentionMetadata, q_weight: torch.Tensor | None = None,
-                        k_weight: torch.Tensor | None = None,
-                        eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward's store with what precedes it fused in (one kernel on GPU): per-head q/k
-        RMSNorm by q_weight/k_weight (None: none), rotary, then the step's K/V stored.
-        Returns the rotated (q, k), possibly q and k themselves (rotated in place); follow
-        with attend(q, meta)."""
-        return ops.qk_norm_rope_store(q, k, v, positions, cos_sin_cache, self.k_cache,
+                positions: torch.Tensor, cos_sin_cache: torch.Tensor, meta: AttentionMetadata,
+                q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                eps: float = 0.0) -> torch.Tensor:
+        """Per-head q/k RMSNorm by q_weight/k_weight (None: none), rotary, the step's K/V
+        stored (one kernel on GPU: ops.qk_norm_rope_store), then attention of the rotated q
+        over the cache. The store covers ALL tokens of the step before any attention reads,
+        so sequences may read blocks filled this step."""
+        q, _ = ops.qk_norm_rope_store(q, k, v, positions, cos_sin_cache, self.k_cache,
                                       self.v_cache, meta.slot_mapping, q_weight, k_weight, eps)
-
-    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of q over the cache: the K/V of ALL tokens of the step must be stored
-        already (forward or norm_rope_store), sequences may read blocks filled this step."""
         if meta.is_decode_only:
             return ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                               meta.seq_lens, self.scale)

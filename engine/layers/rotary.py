@@ -1,15 +1,15 @@
 """Rotary position embedding (HF-Llama rotate_half layout).
 
 cos_sin_cache: [max_position, head_dim] float32, first half cos, second half sin
-(kernels/reference.py:rotary_cos_sin). Built lazily on the device of the first forward,
-so the module can be constructed on the meta device.
+(kernels/reference.py:rotary_cos_sin). Built lazily on the device of the first use, so
+the module can be constructed on the meta device. The rotation itself is applied by
+Attention (ops.qk_norm_rope_store), fused with the K/V store.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.layers import ops
 from kernels.reference import rotary_cos_sin
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -47,7 +47,3 @@ class RotaryEmbedding(nn.Module):
             cache = rotary_cos_sin(self.head_dim, self.max_position, self.base, self.scaling)
             self._cache = cache.to(device)
         return self._cache
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hkv, D], positions [T] -> rotated (q, k)."""
-        return ops.apply_rotary(q, k, positions, self.cos_sin_cache(q.device))

@@ -70,9 +70,8 @@ class LlamaAttention(nn.Module):
         eps = 0.0
         if self.q_norm is not None:  # Qwen3: q/k head norms fused into the same kernel
             qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-        q, k = self.attn.norm_rope_store(q, k, v, positions,
-                                         self.rotary.cos_sin_cache(q.device), meta, qw, kw, eps)
-        o = self.attn.attend(q, meta)
+        o = self.attn(q, k, v, positions, self.rotary.cos_sin_cache(q.device), meta, qw, kw,
+                      eps)
         return self.o_proj(o.reshape(-1, self.nh * self.hd))
 
 
