@@ -287,13 +287,21 @@ class ModelRunner:
         for n in reversed(sizes):  # largest first: smaller graphs reuse its pool
             meta = AttentionMetadata(st["slots"][:n], st["tables"][:n], st["lens"][:n],
                                      st["cu"][:n + 1], 1, True, st["pos"][:n])
-            self.model(st["ids"][:n], st["pos"][:n], meta)  # compile/warm the kernels
+            self._model_step(st["ids"][:n], st["pos"][:n], meta)  # compile/warm the kernels
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
-                st["out"][:n] = self.model(st["ids"][:n], st["pos"][:n], meta)
+                st["out"][:n] = self._model_step(st["ids"][:n], st["pos"][:n], meta)
             pool = graph.pool()
             self.graphs[n] = graph
         torch.cuda.synchronize(dev)
+
+    def _model_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """The model on one step; a decode-only step first orders its rows for the decode
+        kernel, on the device (so a captured graph orders each replay's rows)."""
+        if meta.is_decode_only:
+            meta.decode_order = ops.decode_order(meta.seq_lens)
+        return self.model(input_ids, positions, meta)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
@@ -301,7 +309,7 @@ class ModelRunner:
         else the eager model."""
         n = input_ids.shape[0]
         if not (meta.is_decode_only and self.graphs and n <= self.config.max_num_seqs):
-            return self.model(input_ids, positions, meta)
+            return self._model_step(input_ids, positions, meta)
         padded = min(b for b in self.graphs if b >= n)
         st, w = self._static, meta.block_tables.shape[1]
         st["ids"][:n].copy_(input_ids)

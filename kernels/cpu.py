@@ -196,8 +196,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """reference.paged_decode_attention: q [B, Hq, D], one query per sequence."""
+                           scale: float, order: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.paged_decode_attention: q [B, Hq, D], one query per sequence
+    (``order`` ignored)."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     bs, hkv = k_cache.shape[1], k_cache.shape[2]

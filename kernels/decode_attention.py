@@ -1,7 +1,11 @@
 """Paged decode attention (one query token per sequence), GQA-aware, split-K.
 
-Grid (Hkv, B, S): program (h, b, s) holds the G = Hq // Hkv query heads of KV head h as
-the rows of one [G_PAD, D] tile, so each KV block is read from memory once per group.
+Grid (Hkv, B, S): program (h, i, s) holds the G = Hq // Hkv query heads of KV head h of
+sequence b = order[i] (b = i without an order) as the rows of one [G_PAD, D] tile, so each
+KV block is read from memory once per group. Programs start in grid order, so an order
+with the longest contexts first (``longest_first``) leaves only short programs for the
+last wave (H200, workload-1 contexts in random order: B 180 x 400-1,900 tokens 215.6
+against 231.9 us, fp8 156.0 against 194.5; B 128 x 600-2,000 165.6 against 193.9 us).
 Split s covers tokens [s*chunk, (s+1)*chunk) of sequence b, chunk = ceil(L_b / S) rounded
 up to BLOCK_N (per sequence, from its own length, so splits are balanced on device with no
 host sync). With S == 1 the program normalises and writes `out` directly; otherwise it
@@ -89,17 +93,19 @@ def _tile(q, m_i, l_i, acc, start, hi, bt_row, k_base, v_base, qk_scale,
 
 # Step-varying arguments are not specialised (see prefill_attention._prefill_kernel).
 @triton.jit(do_not_specialize=["s_btb", "splits"],
-            do_not_specialize_on_alignment=["bt_ptr", "lens_ptr"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+            do_not_specialize_on_alignment=["bt_ptr", "lens_ptr", "order_ptr"])
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, part_ptr, lse_ptr,
                    qk_scale, v_scale,
                    s_qb, s_qh, s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd, s_btb,
                    s_ob, s_oh, splits,
                    HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                    D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                    SINGLE: tl.constexpr, F32_DOT: tl.constexpr, FP8_KV: tl.constexpr,
-                   V_T: tl.constexpr):
+                   V_T: tl.constexpr, ORDERED: tl.constexpr):
     kvh = tl.program_id(0)  # fastest: the Hkv programs of a sequence read each block together
     b = tl.program_id(1)
+    if ORDERED:
+        b = tl.load(order_ptr + b)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
@@ -203,7 +209,13 @@ def choose_num_splits(batch: int, kv_heads: int, max_ctx: int, num_sms: int,
     return max(1, min(fill, by_len, 64))
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
+    """A decode batch's rows, longest context first: the ``order`` that launches the
+    longest programs first (module doc). On the device, no host sync (CUDA-graph safe)."""
+    return torch.argsort(seq_lens, descending=True).to(torch.int32)
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens, order) -> None:
     def bad(msg: str):
         raise ValueError(f"paged_decode_attention: {msg}")
 
@@ -218,17 +230,22 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
     if seq_lens.dtype != torch.int32 or seq_lens.shape != (B,) or not seq_lens.is_contiguous():
         bad(f"seq_lens must be contiguous int32 [B={B}], got {seq_lens.dtype} "
             f"{tuple(seq_lens.shape)}")
-    devs = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
+    if order is not None and (order.dtype != torch.int32 or order.shape != (B,)
+                              or not order.is_contiguous()):
+        bad(f"order must be contiguous int32 [B={B}] (a permutation of the rows), got "
+            f"{order.dtype} {tuple(order.shape)}")
+    devs = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens, order)
+            if t is not None}
     if len(devs) != 1:
         bad(f"all tensors must be on one device, got {devs}")
 
 
 def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
-                  k_scale: float = 1.0, v_scale: float = 1.0, num_splits: int | None = None,
-                  block_n: int | None = None,
+                  k_scale: float = 1.0, v_scale: float = 1.0, order=None,
+                  num_splits: int | None = None, block_n: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None):
     """paged_decode_attention with its tuning knobs exposed (bench sweeps; tests)."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens)
+    _check(q, k_cache, v_cache, block_tables, seq_lens, order)
     B, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -269,12 +286,13 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
     else:
         part = lse = out  # unused
     _decode_kernel[(hkv, B, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
-        scale * k_scale * _LOG2E, v_scale,
+        q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order,
+        out, part, lse, scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         out.stride(0), out.stride(1), num_splits,
         HQ=hq, G=g, G_PAD=g_pad, D=d, BS=bs, BLOCK_N=block_n, SINGLE=num_splits == 1,
-        F32_DOT=f32_dot, FP8_KV=fp8, V_T=v_t, num_warps=num_warps, num_stages=num_stages)
+        F32_DOT=f32_dot, FP8_KV=fp8, V_T=v_t, ORDERED=order is not None, num_warps=num_warps,
+        num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(B, hq)](part, lse, out, out.stride(0), out.stride(1), num_splits,
                                 HQ=hq, D=d, S_PAD=max(2, triton.next_power_of_2(num_splits)),
@@ -284,10 +302,12 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, *, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           scale: float, order: torch.Tensor | None = None, *,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Decode: q [B, Hq, D], one query per sequence at its last position (seq_lens[b]-1).
-    k_scale / v_scale: per-tensor dequantisation scales of the caches (real = stored * scale),
-    for a float8_e4m3fn cache; 1.0 gives the reference twin's semantics."""
+    order: the rows in launch order (``longest_first``), or None (row order); it changes
+    only the speed, never a result. k_scale / v_scale: per-tensor dequantisation scales
+    of the caches (real = stored * scale), for a float8_e4m3fn cache; 1.0 gives the
+    reference twin's semantics."""
     return decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                         k_scale=k_scale, v_scale=v_scale)
+                         k_scale=k_scale, v_scale=v_scale, order=order)

@@ -61,8 +61,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """Decode: q [B, Hq, D], one query per sequence at its last position."""
+                           scale: float, order: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode: q [B, Hq, D], one query per sequence at its last position. ``order``
+    (the Triton kernel's launch order of the rows) changes no result: ignored here."""
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, scale)
 

@@ -274,6 +274,28 @@ def test_decode_cpu(poison, hq, hkv, d, bs, dtype, splits):
     check_decode(CTX, hq, hkv, d, bs, dtype, num_splits=splits)
 
 
+def check_decode_order(ctx, hq, hkv, d, bs, dtype, kv_dtype=None, v_t=False, splits=(1, 3)):
+    """Rows launched longest first (the engine's order) or in any other order give the
+    same output, bit for bit: each row's programs compute the same whatever their turn."""
+    q, kc, vc, bt, lens, _ = make_batch(ctx, [1] * len(ctx), hq, hkv, d, bs, dtype,
+                                        kv_dtype=kv_dtype, v_t=v_t)
+    order = dec.longest_first(lens)
+    assert order.dtype == torch.int32
+    assert lens[order.long()].tolist() == sorted(ctx, reverse=True)
+    shuffled = torch.randperm(len(ctx), device=lens.device).int()
+    for n in splits:
+        plain = dec.decode_launch(q, kc, vc, bt, lens, d ** -0.5, num_splits=n)
+        for o in (order, shuffled):
+            got = dec.decode_launch(q, kc, vc, bt, lens, d ** -0.5, order=o, num_splits=n)
+            assert torch.equal(got, plain)
+
+
+@cpu
+def test_decode_order_cpu(poison):
+    check_decode_order([40, 1, 100, 17, 16, 15], 4, 2, 32, 16, F32)
+    check_decode_order([9, 30, 1, 47], 8, 2, 64, 16, BF, kv_dtype=FP8, v_t=True)
+
+
 @cpu
 @pytest.mark.parametrize("hq,hkv,d,bs,dtype", [
     (4, 2, 64, 16, F32), (9, 3, 64, 16, BF), (8, 1, 128, 32, HF), (2, 2, 32, 8, F32)])
@@ -377,6 +399,8 @@ def test_layout_errors_raise_valueerror():
         lambda: dec.paged_decode_attention(q[:, :3], kc, vc, bt, lens, s),
         lambda: dec.paged_decode_attention(q, kc, vc.half(), bt, lens, s),
         lambda: dec.paged_decode_attention(q, kc.transpose(1, 2), vc, bt, lens, s),
+        lambda: dec.paged_decode_attention(q, kc, vc, bt, lens, s, lens.long()),
+        lambda: dec.paged_decode_attention(q, kc, vc, bt, lens, s, lens[:1]),
         lambda: pre.paged_attention(q, kc, vc, bt, lens, cu[:-1], s),
         lambda: pre.paged_attention(q.int(), kc, vc, bt, lens, cu, s),
         lambda: pre.paged_attention(q, kc[..., :24], vc[..., :24], bt, lens, cu, s),
@@ -445,6 +469,8 @@ def test_decode_gpu_batch(poison):
     ctx = torch.randint(1, 4097, (64,)).tolist()
     check_decode(ctx, 16, 8, 128, 16, BF)
     check_decode(ctx[:40], 32, 8, 128, 16, BF, num_splits=7)
+    check_decode_order(ctx, 16, 8, 128, 16, BF, splits=(1, 2, None))
+    check_decode_order(ctx, 16, 8, 128, 16, BF, kv_dtype=FP8, v_t=True, splits=(1, None))
 
 
 @pytest.mark.gpu

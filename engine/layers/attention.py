@@ -26,6 +26,9 @@ class AttentionMetadata:
     max_seqlen_q: int
     is_decode_only: bool  # every sequence has exactly one query token
     positions: torch.Tensor  # [T] int64, token index of each query token in its sequence
+    # decode-only: the rows in the decode kernel's launch order (ops.decode_order), set once
+    # per step by the model runner; None: row order. Never changes a result.
+    decode_order: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -53,6 +56,6 @@ class Attention(nn.Module):
                                       self.v_cache, meta.slot_mapping, q_weight, k_weight, eps)
         if meta.is_decode_only:
             return ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                              meta.seq_lens, self.scale)
+                                              meta.seq_lens, self.scale, meta.decode_order)
         return ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                    meta.seq_lens, meta.cu_seqlens_q, self.scale)
