@@ -135,7 +135,9 @@ def main() -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--no-async", action="store_true", help="synchronous scheduling")
-    ap.add_argument("--disable", default="", help="kernels to replace by their torch twins")
+    ap.add_argument("--disable", default="",
+                    help="kernels to replace by their torch twins; decode_order: decode "
+                         "rows launched in batch order, not longest first")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks sharing the model: one process per GPU, cuda:0..N-1")
