@@ -146,7 +146,10 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="clip prompts/outputs to 16 tokens")
     args = ap.parse_args()
     if args.disable:
-        os.environ["PAGEDQ_DISABLE_KERNELS"] = args.disable
+        os.environ["PAGEDQ_DISABLE_KERNELS"] = args.disable  # before ops is imported: it reads it
+        from engine.layers.ops import ABLATIONS, unknown_ablations
+        if bad := unknown_ablations(args.disable):  # a typo would measure nothing off
+            ap.error(f"--disable: unknown {', '.join(bad)} (known: {', '.join(sorted(ABLATIONS))})")
     import torch
 
     from engine import LLMEngine, SamplingParams

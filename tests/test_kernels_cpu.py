@@ -189,3 +189,14 @@ def test_cpu_tensors_dispatch_to_the_cpu_module():
     x = torch.zeros(2, 4)
     for name in ops.TRITON_MODULES:
         assert ops._op(name, x) is getattr(C, name)
+
+
+def test_decode_order_only_where_the_triton_kernel_runs(monkeypatch):
+    """No launch order on the CPU (the twins ignore it) or under its ablation; ablation names
+    are checked (bench/offline.py refuses a typo that would switch nothing off)."""
+    lens = torch.tensor([3, 9, 1], dtype=torch.int32)
+    assert ops.decode_order(lens) is None
+    monkeypatch.setattr(ops, "_disabled", {"decode_order"})
+    assert ops.decode_order(lens) is None
+    assert ops.unknown_ablations("rms_norm, decode_order,,") == []
+    assert ops.unknown_ablations("rms_norm,rotary,foo") == ["foo", "rotary"]

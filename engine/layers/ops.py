@@ -34,8 +34,15 @@ TRITON_MODULES = {
 
 _use_triton = False
 _triton_ops: dict[str, object] = {}
-# Ablations (bench/offline.py --disable): ops listed here run their torch twin even on CUDA.
+# Ablations (bench/offline.py --disable): ops listed here run their torch twin even on CUDA;
+# "decode_order" launches decode rows in batch order (decode_order below).
+ABLATIONS = frozenset(TRITON_MODULES) | {"decode_order"}
 _disabled = {x.strip() for x in os.environ.get("PAGEDQ_DISABLE_KERNELS", "").split(",") if x.strip()}
+
+
+def unknown_ablations(names: str) -> list[str]:
+    """The names in a comma-separated PAGEDQ_DISABLE_KERNELS value that switch nothing off."""
+    return sorted({x.strip() for x in names.split(",") if x.strip()} - ABLATIONS)
 
 
 def set_use_triton(flag: bool) -> None:
