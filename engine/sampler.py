@@ -100,7 +100,7 @@ class Sampler:
         raw = logits[:, :V].float() if (lp_rows or pen_rows or mask_r) else None
         if not (pen_rows or mask_r):  # fast paths: the logits as they are (columns past V:
             if not rand_rows:         # lm_head padding, never read)
-                tokens = logits[:, :V].argmax(dim=-1)
+                tokens = _greedy(logits[:, :V])
             else:  # greedy rows ride along with temperature 0
                 tokens = self._sample(logits, seqs)
         else:
@@ -109,7 +109,7 @@ class Sampler:
                 x[_t(pen_rows, dev)] = self._penalised(x, seqs, pen_rows)
             if mask_r:
                 x[_t(mask_r, dev), _t(mask_t, dev)] = float("-inf")
-            tokens = x.argmax(dim=-1)
+            tokens = _greedy(x)
             if rand_rows:
                 idx = _t(rand_rows, dev)
                 tokens[idx] = self._sample(x[idx], [seqs[i] for i in rand_rows])
@@ -208,6 +208,12 @@ class Sampler:
             k = seqs[i].params.logprobs or 0
             top = list(zip(top_i[j][:k], top_v[j][:k], strict=True))
             out[i] = TokenLogprobs(ids[i], chosen_l[j], ranks[j], top)
+
+
+def _greedy(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim (the first of equal maxima, as argmax): ``max``'s indices,
+    3x faster than ``argmax`` on the CPU at [16, 49152] (0.16 against 0.50 ms)."""
+    return x.max(dim=-1).indices
 
 
 def _in_vocab(ids: torch.Tensor, V: int) -> torch.Tensor:

@@ -48,6 +48,11 @@ def test_greedy_equals_argmax_and_input_untouched(device):
     out = Sampler(100, {2})(logits, [seq(temperature=0.0) for _ in range(16)])
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 16
+    # equal maxima: the first, as argmax (a wide row, as a vocabulary)
+    ties = torch.zeros(3, 49152, device=device)
+    ties[:, [7, 300, 49151]] = 1.0
+    ties[1, 5] = 1.0
+    assert Sampler(49152, {2})(ties, [seq(temperature=0.0)] * 3).token_ids == [7, 5, 7]
     # a non-fast-path batch (penalties, min_tokens, sampling) must not modify its input either
     mixed = [seq(temperature=0.0, repetition_penalty=1.5, min_tokens=3) for _ in range(8)]
     mixed += [seq(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1) for _ in range(8)]
