@@ -26,12 +26,16 @@ def test_async_client_streams_150_jobs_at_once(redis_server, r):
                     r.xadd(c.keys.out(j), final_fields(1, "finished", "length", "x", "", 1, 1),
                            id=out_entry_id(1))
 
-            threading.Thread(target=worker_side, daemon=True).start()
+            writer = threading.Thread(target=worker_side, daemon=True)
+            writer.start()
 
             async def collect(j: str) -> list:
                 return [e async for e in c.stream(j, timeout=30)]
 
-            return await asyncio.gather(*[collect(j) for j in ids])
+            try:
+                return await asyncio.gather(*[collect(j) for j in ids])
+            finally:  # its last reply may still be unread: never leave it to the teardown
+                await asyncio.to_thread(writer.join, 30)
 
     results = asyncio.run(main())
     assert len(results) == n
