@@ -6,6 +6,12 @@ dtype, adds the row's SplitMix64 Gumbel noise for those columns, and writes the 
 (max, argmax); a tiny torch argmax over the blocks picks the row's token. The noise is
 computed per element from (key, column), the same integers as kernels/reference.py's twin,
 so a seeded row samples the same token here and on the CPU up to float rounding of log.
+
+Scores are taken in the log2 domain, logits * (log2(e) / T) - log2(E / ln 2): the twin's
+logits / T - log(E), scaled by log2(e) and shifted by a constant, so the same argmax up to
+rounding. On the GPU both logarithms are the hardware's approximate lg2 (one MUFU
+instruction; accurate logf is ~12 FMAs each, and the kernel was bound by them, not by the
+bytes it reads); the interpreter uses tl.log2.
 """
 from __future__ import annotations
 
@@ -13,25 +19,40 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra import libdevice
+
 from kernels.reference import C1, C2, GAMMA
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _log2(x, FAST: tl.constexpr):
+    if FAST:
+        return libdevice.fast_log2f(x)
+    return tl.log2(x)
 
 
 @triton.jit
 def _gumbel_kernel(x_ptr, s_xr, t_ptr, key_ptr, val_ptr, idx_ptr, V, n_blk,
-                   BLOCK: tl.constexpr, G: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr):
+                   BLOCK: tl.constexpr, G: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
+                   FAST_LOG: tl.constexpr):
     r = tl.program_id(0)
     j = tl.program_id(1)
     offs = j * BLOCK + tl.arange(0, BLOCK)
     mask = offs < V
     x = tl.load(x_ptr + r.to(tl.int64) * s_xr + offs, mask=mask, other=0.0).to(tl.float32)
     t = tl.load(t_ptr + r)
+    scale = _LOG2E / tl.where(t > 0, t, 1.0)  # once per program, not a division per column
     z = tl.load(key_ptr + r).to(tl.uint64, bitcast=True) + (offs + 1).to(tl.uint64) * G
     z = (z ^ (z >> 30)) * M1
     z = (z ^ (z >> 27)) * M2
     z = z ^ (z >> 31)
     w = ((z >> 32).to(tl.float32) + 0.5) * 2.3283064365386963e-10
-    e = tl.where(w < 1e-3, w * (1.0 + w * (0.5 + w * 0.33333334)), -tl.log(1.0 - w))
-    y = tl.where(t > 0, x / tl.where(t > 0, t, 1.0) - tl.log(e), x)
+    # E / ln 2 = -log2(1 - w); the twin's series below 1e-3 (where 1 - w would round)
+    e2 = tl.where(w < 1e-3, w * (1.0 + w * (0.5 + w * 0.33333334)) * _LOG2E,
+                  -_log2(1.0 - w, FAST_LOG))
+    y = tl.where(t > 0, x * scale - _log2(e2, FAST_LOG), x)
     y = tl.where(mask, y, float("-inf"))
     best, arg = tl.max(y, 0, return_indices=True)
     tl.store(val_ptr + r * n_blk + j, best)
@@ -63,5 +84,6 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
     idx = torch.empty(R, n_blk, dtype=torch.int64, device=logits.device)
     _gumbel_kernel[(R, n_blk)](logits, logits.stride(0), temperature.contiguous(),
                                keys.contiguous(), vals, idx, vocab_size, n_blk,
-                               BLOCK=block, G=GAMMA, M1=C1, M2=C2, num_warps=8)
+                               BLOCK=block, G=GAMMA, M1=C1, M2=C2,
+                               FAST_LOG=logits.device.type == "cuda", num_warps=8)
     return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
