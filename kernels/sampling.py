@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra import libdevice
 
 from kernels.reference import C1, C2, GAMMA
