@@ -286,7 +286,8 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
     else:
         part = lse = out  # unused
     _decode_kernel[(hkv, B, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order,
+        q, k_cache, v_cache, block_tables, seq_lens,
+        seq_lens if order is None else order,  # (unread without an order: ORDERED=False)
         out, part, lse, scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         out.stride(0), out.stride(1), num_splits,

@@ -91,12 +91,10 @@ def decode_order(seq_lens):
     """The launch order of a decode batch's rows for paged_decode_attention: longest
     context first where the Triton kernel runs (kernels/decode_attention.py), else None
     (row order; also when "decode_order" is disabled: its ablation)."""
-    fn = _op("paged_decode_attention", seq_lens)
-    if fn is reference.paged_decode_attention or fn is cpu.paged_decode_attention \
-            or "decode_order" in _disabled:
+    module = _op("paged_decode_attention", seq_lens).__module__
+    if module != TRITON_MODULES["paged_decode_attention"] or "decode_order" in _disabled:
         return None
-    return importlib.import_module(TRITON_MODULES["paged_decode_attention"]).longest_first(
-        seq_lens)
+    return sys.modules[module].longest_first(seq_lens)
 
 
 def rms_norm(x, weight, eps):
