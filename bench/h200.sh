@@ -20,7 +20,7 @@ for s in $steps; do
     ablations) for a in "" "--enforce-eager" "--no-async" "--disable rms_norm,fused_add_rms_norm" \
                  "--disable qk_norm_rope_store,apply_rotary" "--disable silu_and_mul" \
                  "--disable gumbel_argmax" "--disable qk_norm_rope_store" \
-                 "--disable decode_order"; do
+                 "--disable decode_order" "--disable piecewise_graphs"; do
                  off --num-seqs 64 $a; done ;;
     profile) timeout 300 python3 bench/profile_steps.py --top 12 --out "$OUT" 2>&1 | grep -v -i warn | tail -16 ;;
     kernels) timeout 300 python3 bench/kernels.py --quick --fp8-sweep --out "$OUT" 2>&1 | tail -24 ;;

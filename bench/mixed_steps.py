@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from offline import SHAPES, model_folder  # noqa: E402
+from offline import SHAPES, model_folder, set_ablations  # noqa: E402
 
 
 def main() -> int:
@@ -38,9 +38,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=120, help="timed steps per k")
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--prefill-wait-steps", type=int, default=None,
+                    help="EngineConfig.prefill_wait_steps (default: the engine's)")
+    ap.add_argument("--disable", default="",
+                    help="ablations, as bench/offline.py's (piecewise_graphs: steps that "
+                         "prefill run the eager model)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    set_ablations(ap, args.disable)
     import cProfile
     import io
     import pstats
@@ -50,7 +56,11 @@ def main() -> int:
     from engine import LLMEngine, SamplingParams
     engine = LLMEngine(model_folder(args.shape), load_format="dummy", max_model_len=4096,
                        max_num_seqs=256, max_num_batched_tokens=16384, device=args.device,
-                       enforce_eager=args.enforce_eager)
+                       enforce_eager=args.enforce_eager,
+                       prefill_wait_steps=args.prefill_wait_steps)
+    print(f"engine ready in {engine.runner.load_time_s:.1f} s; prefill_wait_steps="
+          f"{engine.config.prefill_wait_steps}; piecewise graphs: "
+          f"{engine.runner.piecewise.sizes if engine.runner.piecewise else None}", flush=True)
     rng = random.Random(0)
     long = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=3000)
     n = 0

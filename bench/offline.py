@@ -98,6 +98,18 @@ def triton_variants() -> int:
     return n
 
 
+def set_ablations(ap: argparse.ArgumentParser, names: str) -> None:
+    """--disable: export the names for engine/layers/ops.py (which reads them at import, so
+    before the engine is imported); a name that switches nothing off is an error (a typo
+    would measure nothing)."""
+    if not names:
+        return
+    os.environ["PAGEDQ_DISABLE_KERNELS"] = names
+    from engine.layers.ops import ABLATIONS, unknown_ablations
+    if bad := unknown_ablations(names):
+        ap.error(f"--disable: unknown {', '.join(bad)} (known: {', '.join(sorted(ABLATIONS))})")
+
+
 def run(engine, prompts, params) -> dict:
     """generate() by hand so KV waste can be sampled between steps."""
     for k, (p, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -137,7 +149,8 @@ def main() -> int:
     ap.add_argument("--no-async", action="store_true", help="synchronous scheduling")
     ap.add_argument("--disable", default="",
                     help="kernels to replace by their torch twins; decode_order: decode "
-                         "rows launched in batch order, not longest first")
+                         "rows launched in batch order, not longest first; piecewise_graphs: "
+                         "steps that prefill run the eager model")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks sharing the model: one process per GPU, cuda:0..N-1")
@@ -145,11 +158,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="folder for the JSON result")
     ap.add_argument("--smoke", action="store_true", help="clip prompts/outputs to 16 tokens")
     args = ap.parse_args()
-    if args.disable:
-        os.environ["PAGEDQ_DISABLE_KERNELS"] = args.disable  # before ops is imported: it reads it
-        from engine.layers.ops import ABLATIONS, unknown_ablations
-        if bad := unknown_ablations(args.disable):  # a typo would measure nothing off
-            ap.error(f"--disable: unknown {', '.join(bad)} (known: {', '.join(sorted(ABLATIONS))})")
+    set_ablations(ap, args.disable)
     import torch
 
     from engine import LLMEngine, SamplingParams

@@ -24,10 +24,13 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
-# EngineConfig.prefill_wait_steps where CUDA graphs were captured: on the H200 a step that
-# prefilled one 512-token prompt into 192 decoding sequences took 18 ms against 4.8 ms for
-# a decode-only step (bench/mixed_steps.py), so arrivals are gathered for up to 16 steps
-PREFILL_WAIT_STEPS = 16
+# EngineConfig.prefill_wait_steps by default: arrivals gathered for up to this many steps
+# while the batch decodes. H200, 192 sequences decoding, one new 512-token prompt before
+# every step (bench/mixed_steps.py): in piecewise CUDA graphs (engine/piecewise.py) 7.8 ms
+# per step, 6.9 with a wait of 16, against 4.6 decode only: 4 where they were captured;
+# run eagerly (tensor-parallel) 20.5 ms: 16 where only the decode graphs were
+PREFILL_WAIT_STEPS = 4
+EAGER_PREFILL_WAIT_STEPS = 16
 
 
 class _NoText:
@@ -60,7 +63,9 @@ class LLMEngine(OfflineMixin):
             raise
         self.eos_token_ids = set(self.runner.eos_token_ids)
         if self.config.prefill_wait_steps is None:
-            self.config.prefill_wait_steps = PREFILL_WAIT_STEPS if self.runner.graphs else 0
+            self.config.prefill_wait_steps = (
+                PREFILL_WAIT_STEPS if self.runner.piecewise is not None
+                else EAGER_PREFILL_WAIT_STEPS if self.runner.graphs else 0)
         self.scheduler = Scheduler(self.config, self.runner.num_kv_blocks, num_known_tokens)
         self.block_manager = self.scheduler.bm
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids, self.config.seed)

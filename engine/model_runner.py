@@ -13,6 +13,10 @@ for all). The driver's runner (rank 0) spawns the others; ``__init__`` runs in l
 every rank. Each step the driver packs the inputs and sends them to the ranks
 (``execute``), every rank runs ``_forward`` on them, and only the driver gets logits.
 With one rank nothing is spawned and no collective runs: the single-device code path.
+
+CUDA graphs (CUDA, Triton kernels, not enforce_eager): a decode-only step replays one
+whole-model graph per padded batch size; with one rank, a step that prefills (up to 8,192
+tokens) replays the model in pieces between eager attention calls (engine/piecewise.py).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from engine.layers.packed import pack_model
 from engine.loader import load_model_files, resolve_model
 from engine.models import get_model_class
 from engine.parallel import SINGLE
+from engine.piecewise import PiecewiseGraphs
 from engine.progress import stage
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -101,6 +106,7 @@ class ModelRunner:
         self.ranks = None  # the driver's distributed.RankGroup when tensor-parallel
         self.tp = SINGLE
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded decode batch size -> graph
+        self.piecewise: PiecewiseGraphs | None = None  # steps that prefill (one rank only)
         if tp_size == 1:
             self._build(model_cls, weights)
         else:
@@ -165,6 +171,13 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and ops.use_triton():
             stage("capturing CUDA graphs")
             self.capture_cudagraphs()
+            # (ranks would have to capture their collectives in lockstep: not built)
+            if tp.size == 1 and not ops.ablated("piecewise_graphs"):
+                stage("capturing piecewise CUDA graphs for steps that prefill")
+                self.piecewise = PiecewiseGraphs(self.model, self.device, self.dtype,
+                                                 self.hf_config.hidden_size,
+                                                 config.max_num_batched_tokens)
+                self.piecewise.capture()
         if tp.size > 1:
             self._link.barrier("ready")
 
@@ -306,9 +319,12 @@ class ModelRunner:
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, H]: a captured CUDA graph for decode-only batches that fit one,
-        else the eager model."""
+        the piecewise graphs for other steps that fit them, else the eager model."""
         n = input_ids.shape[0]
         if not (meta.is_decode_only and self.graphs and n <= self.config.max_num_seqs):
+            pw = self.piecewise
+            if pw is not None and not meta.is_decode_only and n <= pw.max_tokens:
+                return pw.run(input_ids, positions, meta)
             return self._model_step(input_ids, positions, meta)
         padded = min(b for b in self.graphs if b >= n)
         st, w = self._static, meta.block_tables.shape[1]
@@ -382,6 +398,7 @@ class ModelRunner:
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()
+        self.piecewise = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -31,6 +31,7 @@ def test_cuda_engine_greedy_equals_cpu_reference(arch, tiny_model_dir):
     eager = run(LLMEngine(folder, device="cuda", enforce_eager=True, **cfg), arrivals)
     graphs_engine = LLMEngine(folder, device="cuda", **cfg)
     assert graphs_engine.runner.graphs, "CUDA graphs were not captured"
+    assert graphs_engine.runner.piecewise.sizes == [64]  # steps that prefill: in pieces
     # the step-4 arrivals are held while the batch decodes (prefill_wait_steps' default)
     assert graphs_engine.config.prefill_wait_steps == PREFILL_WAIT_STEPS > 0
     graphs = run(graphs_engine, arrivals)

@@ -137,6 +137,63 @@ def test_cuda_graph_decode_matches_eager_and_hf(tiny_model_dir):
             finish_step(batch)
 
 
+def test_attention_split_hook_is_where_pieces_are_cut(tiny):
+    """engine/piecewise.py cuts the model at ``meta.split``: it is called once per layer, in
+    layer order, with that layer's rotated q (its K/V already stored), and what it returns
+    is taken as that layer's attention output."""
+    runner, hf = tiny
+    batch = schedule(BlockPool(64, seed=5), BS, (new_seq(PROMPT), len(PROMPT)))
+    ids, pos, meta, _ = runner.prepare(batch)
+    seen = []
+
+    def split(attn, q):
+        seen.append(attn)
+        assert q.shape == (len(PROMPT), attn.num_heads, attn.head_dim)
+        return attn.attend(q, meta)
+
+    meta.split = split
+    with torch.inference_mode():
+        got = runner.model.compute_logits(runner.model(ids, pos, meta))
+    assert seen == runner.model.attention_layers()
+    close(got, hf_logits(hf, PROMPT))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_piecewise_graphs_for_steps_that_prefill(tiny_model_dir):
+    """Steps that prefill replay the model in pieces between eager attention calls
+    (engine/piecewise.py), padded up to a captured size: chunked prefills mixed with
+    decodes, against transformers on CPU, float32."""
+    folder = tiny_model_dir("Qwen3ForCausalLM")
+    runner = ModelRunner(str(folder), EngineConfig(
+        device="cuda", dtype="float32", block_size=BS, num_kv_blocks=128, max_num_seqs=8,
+        max_num_batched_tokens=256, use_triton=True))
+    pw = runner.piecewise
+    assert pw is not None and pw.sizes == [64, 128, 256]
+    steps = []
+    run = pw.run
+    pw.run = lambda ids, pos, meta: (steps.append(ids.shape[0]), run(ids, pos, meta))[1]
+    hf = load_hf(folder)
+    long = random.Random(7).choices(range(TINY_VOCAB), k=200)
+    ref_a, ref_b = hf_logits(hf, PROMPT), hf_logits(hf, long)
+    pool = BlockPool(128, seed=8)
+    a, b = new_seq(PROMPT[:40], "a"), new_seq(long, "b")
+    batch = schedule(pool, BS, (a, 40), (b, 100))  # 140 tokens, replayed at 256
+    close(runner.execute(batch).cpu(), ref_a[39:40])
+    finish_step(batch)
+    for chunk in (60, 40):  # a decodes while b's prompt goes on; b's last chunk samples
+        a.append_token(PROMPT[a.num_tokens])
+        batch = schedule(pool, BS, (a, 1), (b, chunk))
+        want = [ref_a[a.num_tokens - 1]] + ([ref_b[-1]] if chunk == 40 else [])
+        close(runner.execute(batch).cpu(), torch.stack(want))
+        finish_step(batch)
+    c = new_seq(PROMPT[:7], "c")  # a 7-token prompt beside a decode: 8 tokens, at 64
+    a.append_token(PROMPT[a.num_tokens])
+    batch = schedule(pool, BS, (a, 1), (c, 7))
+    close(runner.execute(batch).cpu(), torch.stack([ref_a[a.num_tokens - 1], ref_a[6]]))
+    assert steps == [140, 61, 41, 8]
+
+
 def test_runner_limits_and_cpu_kv_sizing(tiny_model_dir):
     folder = str(tiny_model_dir("LlamaForCausalLM"))
     with pytest.raises(ValueError, match="exceeds the model's context length 256"):

@@ -9,6 +9,7 @@ attention of that layer reads the cache (sequences may read blocks filled this s
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,10 @@ class AttentionMetadata:
     # decode-only: the rows in the decode kernel's launch order (ops.decode_order), set once
     # per step by the model runner; None: row order. Never changes a result.
     decode_order: torch.Tensor | None = None
+    # set only while engine/piecewise.py captures the model: called as split(attention, q)
+    # in place of the attention itself, it returns the buffer the attention output will be
+    # in when the captured pieces replay
+    split: Callable[[Attention, torch.Tensor], torch.Tensor] | None = None
 
 
 class Attention(nn.Module):
@@ -54,6 +59,12 @@ class Attention(nn.Module):
         so sequences may read blocks filled this step."""
         q, _ = ops.qk_norm_rope_store(q, k, v, positions, cos_sin_cache, self.k_cache,
                                       self.v_cache, meta.slot_mapping, q_weight, k_weight, eps)
+        if meta.split is not None:
+            return meta.split(self, q)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of the rotated q [T, Hq, D] over the cache (this step's K/V stored)."""
         if meta.is_decode_only:
             return ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                               meta.seq_lens, self.scale, meta.decode_order)

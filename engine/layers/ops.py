@@ -35,14 +35,20 @@ TRITON_MODULES = {
 _use_triton = False
 _triton_ops: dict[str, object] = {}
 # Ablations (bench/offline.py --disable): ops listed here run their torch twin even on CUDA;
-# "decode_order" launches decode rows in batch order (decode_order below).
-ABLATIONS = frozenset(TRITON_MODULES) | {"decode_order"}
+# "decode_order" launches decode rows in batch order (decode_order below);
+# "piecewise_graphs": steps that prefill run the eager model (engine/piecewise.py).
+ABLATIONS = frozenset(TRITON_MODULES) | {"decode_order", "piecewise_graphs"}
 _disabled = {x.strip() for x in os.environ.get("PAGEDQ_DISABLE_KERNELS", "").split(",") if x.strip()}
 
 
 def unknown_ablations(names: str) -> list[str]:
     """The names in a comma-separated PAGEDQ_DISABLE_KERNELS value that switch nothing off."""
     return sorted({x.strip() for x in names.split(",") if x.strip()} - ABLATIONS)
+
+
+def ablated(name: str) -> bool:
+    """True when PAGEDQ_DISABLE_KERNELS names ``name`` (one of ABLATIONS)."""
+    return name in _disabled
 
 
 def set_use_triton(flag: bool) -> None:
@@ -92,7 +98,7 @@ def decode_order(seq_lens):
     context first where the Triton kernel runs (kernels/decode_attention.py), else None
     (row order; also when "decode_order" is disabled: its ablation)."""
     module = _op("paged_decode_attention", seq_lens).__module__
-    if module != TRITON_MODULES["paged_decode_attention"] or "decode_order" in _disabled:
+    if module != TRITON_MODULES["paged_decode_attention"] or ablated("decode_order"):
         return None
     return sys.modules[module].longest_first(seq_lens)
 
