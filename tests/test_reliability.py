@@ -4,6 +4,7 @@ the queue's behaviour: no job lost, exactly one terminal result, no duplicated o
 missing tokens."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -325,6 +326,9 @@ def test_second_sigterm_exits_at_once_first_drains(svc):
     w.signal(signal.SIGTERM)  # drain: the running job finishes
     assert w.proc.wait(60) == 0
     assert c.result(job, timeout=5).status == "finished"
+    stopped = [json.loads(x) for x in w.log().splitlines() if '"worker_stopped"' in x]
+    assert stopped and stopped[0]["steps"] >= 40  # the exit line, with the collector's figures
+    assert stopped[0]["gc_full"] >= 0 and stopped[0]["gc_max_pause_s"] >= 0
     w2 = svc.worker(env={"PAGEDQ_FAILPOINTS": "step_sleep_s=0.05", "PAGEDQ_DRAIN_TIMEOUT_S": "60"})
     job2 = gen(c, max_tokens=500)
     wait_tokens(c, job2, 2)

@@ -23,6 +23,7 @@ from producer.keys import GROUP, Keys
 from producer.schema import FinishReason, Status
 from producer.settings import Settings
 from worker import fatal, faults, liveness, recovery
+from worker.gc_pauses import GcPauses
 from worker.health import DRAINING, SERVING, STOPPED, Health
 from worker.intake import Intake
 from worker.jobs import Job, WorkerIdentity, logprobs_json, split_request_id
@@ -77,6 +78,7 @@ class Worker:
                                           keepalive=self._beat,
                                           every_s=min(s.lease_s, s.heartbeat_ttl_s) / 3)
         self.steps = 0  # for bench/service.py
+        self.gc = GcPauses()
         self._stopping = False
         self._next_beat = self._next_metrics = self._next_sweep = 0.0
         # seconds of the engine thread, by phase (logged at exit; bench/service.py reads it);
@@ -102,6 +104,7 @@ class Worker:
         if self.s.metrics_port:
             port = self.metrics.serve(self.s.metrics_port, self.s.metrics_host, self.health)
             self.log.info("metrics_listening", host=self.s.metrics_host, port=port)
+        self.gc.start()  # everything of start-up is in the heap by now (worker/gc_pauses.py)
         self.publisher.start()
         self.watchdog.start()
         self.log.info("worker_started", streams=self.ident.streams)
@@ -117,17 +120,21 @@ class Worker:
             self.watchdog.stop()
             self.publisher.stop()
             self.heartbeat.leave()
+            self.gc.stop()
             loop = self.loop_s
             loop["other"] = time.perf_counter() - t_start - sum(loop.values())
             # device_wait_s: of engine_step, the host's wait for sampled tokens (the device
             # was the bottleneck then); publisher_cpu_s: the publisher thread's CPU, which
-            # competes with the engine thread for the GIL
+            # competes with the engine thread for the GIL; gc_*: full collections since
+            # start-up (worker/gc_pauses.py)
             self.log.info("worker_stopped", steps=self.steps,
                           publish_round_trips=self.publisher.rounds,
                           intake_round_trips=self.intake.round_trips,
                           loop_s={k: round(v, 3) for k, v in loop.items()},
                           device_wait_s=round(self.engine.device_wait_s, 3),
-                          publisher_cpu_s=round(self.publisher.cpu_s, 3))
+                          publisher_cpu_s=round(self.publisher.cpu_s, 3),
+                          gc_full=self.gc.full, gc_max_pause_s=round(self.gc.max_s, 4),
+                          gc_pause_s=round(self.gc.total_s, 3))
 
     def _loop(self, until_idle: bool) -> None:
         own_pending = True  # a restarted worker first re-reads its own pending entries
