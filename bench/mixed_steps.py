@@ -4,14 +4,16 @@ without new prompts mixed into a full decode batch (LLMEngine directly, no Redis
 A batch of --running sequences is prefilled and decoding; then, for each --every k, one
 new request (--prompt tokens) is added before every k-th step for --steps steps (k = 0: none
 added, decode only). Reported per k: wall ms per step, output tok/s, how many steps began
-with a prompt pending (waiting, held back, or not yet computed). With CUDA graphs only
-decode-only steps replay a graph; a step that holds a prefill runs the eager model, so
-its cost shows here. Then cProfile's view of --profile-steps mixed steps: the Python
-functions (Triton's launcher, torch ops, ours) by own time, i.e. where the host time of an
-eager step goes (cProfile slows each call, so read shares, not absolute times).
+with a prompt pending (waiting, held back, or not yet computed). A decode-only step replays
+one CUDA graph; a step that holds a prefill replays the piecewise graphs (engine/
+piecewise.py) or, with --disable piecewise_graphs, runs the eager model: its cost shows
+here. Then cProfile's view of --profile-steps mixed steps: the Python functions (Triton's
+launcher, torch ops, ours) by own time, i.e. where the host time of such a step goes
+(cProfile slows each call, so read shares, not absolute times).
 
   python bench/mixed_steps.py [--shape qwen3-0.6b] [--running 192] [--prompt 512]
-                              [--every 0 1 4 16] [--steps 120] [--enforce-eager] [--out DIR]
+                              [--every 0 1 4 16] [--steps 120] [--enforce-eager]
+                              [--prefill-wait-steps N] [--disable piecewise_graphs] [--out DIR]
 """
 from __future__ import annotations
 

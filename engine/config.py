@@ -32,10 +32,10 @@ class EngineConfig:
     scheduling_policy: str = "priority"
     # while the running batch only decodes, a waiting request is held at most this many
     # steps (less when the queue would fill the batch, or it outranks a running request),
-    # so arrivals are prefilled together. With CUDA graphs only decode-only steps replay a
-    # graph; a step that prefills runs the eager model, several decode steps' time
-    # (docs/benchmarks.md, bench/mixed_steps.py). None: 16 where graphs were captured, else 0
-    # (off: every step admits)
+    # so arrivals are prefilled together: a step that prefills costs ~1.5 decode steps in
+    # piecewise CUDA graphs (engine/piecewise.py), ~4 run eagerly (docs/benchmarks.md,
+    # bench/mixed_steps.py). None: 4 where piecewise graphs were captured, 16 where only the
+    # decode graphs were (tensor-parallel), else 0 (off: every step admits)
     prefill_wait_steps: int | None = None
     # ranks sharing the model (Megatron-style tensor parallelism, engine/distributed.py):
     # one process per rank (per GPU: cuda:N..N+size-1), all-reduce over NCCL (gloo on the

@@ -29,8 +29,9 @@ import torch
 from engine.layers.attention import Attention, AttentionMetadata
 
 # captured token counts (those above the runner's limit dropped, the limit itself added).
-# Past 8,192 tokens a step's device time (~17 ms for Qwen3-0.6B on the H200) hides the
-# eager launches, and a larger size would only add pool memory.
+# Larger steps run eagerly: their device time hides the eager launches (H200, Qwen3-0.6B:
+# ~17 ms of launches; workload 1's 16,384-token steps take ~43 ms), and a larger size
+# would only add pool memory.
 SIZES = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
 

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.layers.rotary import rope_params
 from engine.model_runner import ModelRunner
 from engine.models import get_model_class
+from engine.piecewise import SIZES, piece_sizes
 from tests.model_fixtures import (
     TINY_ARCHS,
     TINY_VOCAB,
@@ -156,6 +157,13 @@ def test_attention_split_hook_is_where_pieces_are_cut(tiny):
         got = runner.model.compute_logits(runner.model(ids, pos, meta))
     assert seen == runner.model.attention_layers()
     close(got, hf_logits(hf, PROMPT))
+
+
+def test_piecewise_sizes_cover_every_step_up_to_the_limit_once():
+    assert piece_sizes(64) == [64] and piece_sizes(100) == [64, 100]
+    assert piece_sizes(2048)[-2:] == [1536, 2048]
+    big = piece_sizes(16384)  # larger steps run eagerly
+    assert big[-1] == 8192 and len(set(big)) == len(big) == len(SIZES)
 
 
 @pytest.mark.gpu

@@ -151,8 +151,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one engine step, >= --max-num-seqs (default: 2048)")
     p.add_argument("--prefill-wait-steps", type=int, default=None, metavar="N",
                    help="decode-only steps a new job may wait so that arrivals are "
-                        "prefilled together (a step that prefills runs without CUDA graphs) "
-                        "(default: 16 where CUDA graphs are captured, else 0)")
+                        "prefilled together (a step that prefills costs more than a decode "
+                        "step) (default: 4 with piecewise CUDA graphs, 16 with decode graphs "
+                        "only (tensor-parallel), else 0)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="longest sequence, prompt + output (default: the model's context "
                         "length, lowered to what the KV cache holds)")
