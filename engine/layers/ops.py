@@ -38,12 +38,19 @@ _triton_ops: dict[str, object] = {}
 # "decode_order" launches decode rows in batch order (decode_order below);
 # "piecewise_graphs": steps that prefill run the eager model (engine/piecewise.py).
 ABLATIONS = frozenset(TRITON_MODULES) | {"decode_order", "piecewise_graphs"}
-_disabled = {x.strip() for x in os.environ.get("PAGEDQ_DISABLE_KERNELS", "").split(",") if x.strip()}
+
+
+def _names(value: str) -> set[str]:
+    """The names in a comma-separated PAGEDQ_DISABLE_KERNELS value."""
+    return {x.strip() for x in value.split(",") if x.strip()}
+
+
+_disabled = _names(os.environ.get("PAGEDQ_DISABLE_KERNELS", ""))
 
 
 def unknown_ablations(names: str) -> list[str]:
     """The names in a comma-separated PAGEDQ_DISABLE_KERNELS value that switch nothing off."""
-    return sorted({x.strip() for x in names.split(",") if x.strip()} - ABLATIONS)
+    return sorted(_names(names) - ABLATIONS)
 
 
 def ablated(name: str) -> bool:
@@ -68,8 +75,8 @@ def triton_available() -> bool:
 
 
 def _op(name: str, x: torch.Tensor):
-    if not (_use_triton and x.is_cuda) or name in _disabled:
-        if x.device.type == "cpu" and name not in _disabled:
+    if not (_use_triton and x.is_cuda) or ablated(name):
+        if x.device.type == "cpu" and not ablated(name):
             return getattr(cpu, name)
         return getattr(reference, name)
     fn = _triton_ops.get(name)
@@ -121,7 +128,7 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
     Disabled (ablation), it runs the ops it fuses, each dispatched as usual: the unfused
     Triton kernels on CUDA unless they are disabled too (all four: the twins; the twin's
     store is not CUDA-graph capturable: bench with --enforce-eager then)."""
-    if "qk_norm_rope_store" in _disabled:
+    if ablated("qk_norm_rope_store"):
         return reference.rope_store_with(sys.modules[__name__], q, k, v, positions,
                                          cos_sin_cache, k_cache, v_cache, slot_mapping,
                                          q_weight, k_weight, eps, k_scale, v_scale)
