@@ -191,6 +191,8 @@ def main() -> int:
                num_kv_blocks=engine.runner.num_kv_blocks, load_s=load_s,
                tensor_parallel_size=args.tensor_parallel_size,
                cuda_graphs=len(engine.runner.graphs),
+               kv_cache_gib=engine.runner.num_kv_blocks * engine.runner.block_bytes() / 2**30,
+               graph_gib=engine.runner.graph_bytes / 2**30,
                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     if args.shape in PHYSICAL_LIMIT and res["device"] != "cpu":
         res["fraction_of_limit"] = res["throughput_tok_s"] / PHYSICAL_LIMIT[args.shape]
@@ -200,7 +202,8 @@ def main() -> int:
           f"({res['output_tokens']} tok in {res['seconds']:.2f} s, {res['steps']} steps, "
           f"{res['ms_per_step']:.2f} ms/step, host waited {res['host_wait_s']:.2f} s) "
           f"kv_waste mean={res['kv_waste_mean']:.2%} peak={res['kv_waste_peak']:.2%} "
-          f"triton compiles in timed run={res['triton_compiles_in_timed_run']}")
+          f"triton compiles in timed run={res['triton_compiles_in_timed_run']} "
+          f"KV {res['kv_cache_gib']:.2f} GiB, CUDA graphs {res['graph_gib']:.2f} GiB")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         tag = f"{args.shape}-{args.num_seqs}{'-eager' if args.enforce_eager else ''}" + \

@@ -107,6 +107,7 @@ class ModelRunner:
         self.tp = SINGLE
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded decode batch size -> graph
         self.piecewise: PiecewiseGraphs | None = None  # steps that prefill (one rank only)
+        self.graph_bytes = 0  # device memory the CUDA graphs hold (pools, static buffers)
         if tp_size == 1:
             self._build(model_cls, weights)
         else:
@@ -168,18 +169,32 @@ class ModelRunner:
         self.num_kv_blocks = blocks
         stage(f"allocating the KV cache ({self.num_kv_blocks} blocks)")
         self._allocate_kv_cache(self.num_kv_blocks)
-        if self.device.type == "cuda" and not config.enforce_eager and ops.use_triton():
-            stage("capturing CUDA graphs")
-            self.capture_cudagraphs()
-            # (ranks would have to capture their collectives in lockstep: not built)
-            if tp.size == 1 and not ops.ablated("piecewise_graphs"):
-                stage("capturing piecewise CUDA graphs for steps that prefill")
-                self.piecewise = PiecewiseGraphs(self.model, self.device, self.dtype,
-                                                 self.hf_config.hidden_size,
-                                                 config.max_num_batched_tokens)
-                self.piecewise.capture()
+        if self._uses_graphs():
+            self.graph_bytes = self._capture_graphs()
         if tp.size > 1:
             self._link.barrier("ready")
+
+    def _uses_graphs(self) -> bool:
+        return (self.device.type == "cuda" and not self.config.enforce_eager
+                and ops.use_triton())
+
+    def _capture_graphs(self, announce: bool = True) -> int:
+        """Capture the decode graphs and, with one rank, the piecewise ones; return the
+        device memory they took."""
+        torch.cuda.empty_cache()  # the static buffers must not come from cached blocks
+        before = torch.cuda.memory_reserved(self.device)
+        if announce:
+            stage("capturing CUDA graphs")
+        self.capture_cudagraphs()
+        # (ranks would have to capture their collectives in lockstep: not built)
+        if self.tp.size == 1 and not ops.ablated("piecewise_graphs"):
+            if announce:
+                stage("capturing piecewise CUDA graphs for steps that prefill")
+            self.piecewise = PiecewiseGraphs(self.model, self.device, self.dtype,
+                                             self.hf_config.hidden_size,
+                                             self.config.max_num_batched_tokens)
+            self.piecewise.capture()
+        return torch.cuda.memory_reserved(self.device) - before
 
     @property
     def block_size(self) -> int:
@@ -254,11 +269,20 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - tmp_blocks * per_block
         free, total = torch.cuda.mem_get_info(self.device)
         not_ours = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * cfg.gpu_memory_utilization - not_ours - peak
+        graphs = 0
+        if self._uses_graphs() and self.tp.size == 1:
+            # the graphs' pools do not depend on the cache's size: captured once over this
+            # small cache to be measured, then again over the real one (they bake in its
+            # addresses). Tensor-parallel ranks' graphs (decode only, no piecewise) stay
+            # outside the budget: their capture must run in lockstep (not built twice).
+            stage("capturing the CUDA graphs once to measure their memory")
+            graphs = self._capture_graphs(announce=False)
+            self.release_graphs()
+        budget = total * cfg.gpu_memory_utilization - not_ours - peak - graphs
         self.kv_cache = None
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = torch.tensor([])
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # (the graphs' pools too, once released)
         blocks = int(budget // per_block)
         if blocks < 1:
             raise RuntimeError(
@@ -398,6 +422,9 @@ class ModelRunner:
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()
+        self._static = {}
+        if self.piecewise is not None:
+            self.piecewise.reset()
         self.piecewise = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -99,6 +99,13 @@ class PiecewiseGraphs:
             graphs[-1].capture_end()
         return graphs
 
+    def reset(self) -> None:
+        """Destroy the graphs (their pool is freed with the last)."""
+        for graphs in self.pieces.values():
+            for graph in graphs:
+                graph.reset()
+        self.pieces.clear()
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, H] of a step of T <= max_tokens tokens (a view of a static

@@ -100,7 +100,8 @@ def describe(engine: Any, cfg: Any, worker_id: str) -> str:
     blocks = r.num_kv_blocks
     gib = blocks * r.block_bytes() / 2**30
     kv = f"KV cache {blocks:,} blocks x {c.block_size} = {blocks * c.block_size:,} tokens " \
-         f"({gib:.2f} GiB{'' if kv_dtype == dtype else ', ' + kv_dtype})"
+         f"({gib:.2f} GiB{'' if kv_dtype == dtype else ', ' + kv_dtype})" \
+        + (f", CUDA graphs {r.graph_bytes / 2**30:.2f} GiB" if r.graph_bytes else "")
     metrics = f"metrics http://{_host(s.metrics_host)}:{s.metrics_port}/metrics" \
         if s.metrics_port else "metrics off"
     prefixes = ",".join(s.served_prefixes)
