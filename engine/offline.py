@@ -27,7 +27,7 @@ class OfflineMixin:
             for k in range(p.n):
                 sid = rid if p.n == 1 else f"{rid}#{k}"
                 state[sid] = {"text": [], "ids": [], "lp": [], "reason": None,
-                              "prompt": self._live[sid].seq.prompt_token_ids[:plen]}
+                              "prompt": list(self._live[sid].seq.prompt_token_ids[:plen])}
         bar = _progress(len(state), use_tqdm)
         while self.has_unfinished():
             for o in self.step():

@@ -9,10 +9,16 @@ all the same loop.
 Async scheduling: while a step is in flight, ``token_ids`` may end with a placeholder for
 the token it sampled; engine/pipeline.py owns that rule and is the only code that reads
 or writes placeholders and ``num_pending_tokens``.
+
+Token ids are held where the garbage collector does not traverse them: ``token_ids`` in
+an ``array('q')``, the prompt in a tuple (of ints only: untracked once a collection has
+seen it). A running batch's lists of ints, hundreds of thousands of elements, made every
+full collection of a busy worker a pause of tens of milliseconds.
 """
 from __future__ import annotations
 
 import itertools
+from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -31,11 +37,11 @@ class SeqStatus(Enum):
 @dataclass(slots=True, eq=False)
 class Sequence:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]  # (a list is taken, and kept as a tuple)
     params: SamplingParams
     priority: int = 0  # larger = more important; preemption victim is the lowest
     arrival: int = field(default_factory=lambda: next(_arrival))
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: array[int] = field(default_factory=lambda: array("q"))
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
@@ -52,8 +58,8 @@ class Sequence:
     num_pending_tokens: int = 0  # 0 or 1: trailing placeholders (engine/pipeline.py only)
 
     def __post_init__(self) -> None:
-        if not self.token_ids:
-            self.token_ids = list(self.prompt_token_ids)
+        self.prompt_token_ids = tuple(self.prompt_token_ids)
+        self.token_ids = array("q", self.token_ids or self.prompt_token_ids)
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.prompt_token_ids)
 
@@ -67,7 +73,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:].tolist()
 
     @property
     def last_token(self) -> int:

@@ -345,7 +345,7 @@ class Intake:
         for choice, done in zip(job.choices, replayed, strict=True):
             choice.resumed_ids.extend(done.token_ids)
             choice.num_tokens += len(done.token_ids)
-            choice.text.extend(done.deltas)
+            choice.text.writelines(done.deltas)
             choice.finish_reason = done.finish_reason
         return next_index
 

@@ -7,6 +7,7 @@ record's key, ``{prefix}:job:<id>`` (job ids are unique only within a tenant's p
 """
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +69,9 @@ class BadEntry(ValueError):
 
 @dataclass(slots=True)
 class ChoiceState:
-    text: list[str] = field(default_factory=list)
+    # the text so far: a buffer, not a list of deltas (the garbage collector would visit
+    # every element of every running job's list at each full collection: engine/sequence.py)
+    text: io.StringIO = field(default_factory=io.StringIO)
     num_tokens: int = 0  # resumed + generated
     resumed_ids: list[int] = field(default_factory=list)  # replayed from an earlier attempt
     finish_reason: str | None = None
@@ -120,7 +123,7 @@ class Job:
 
     @property
     def text(self) -> str:
-        return "".join(self.choices[0].text)
+        return self.choices[0].text.getvalue()
 
     def finish_reason(self) -> str:
         return self.choices[0].finish_reason or FinishReason.stop
@@ -129,7 +132,7 @@ class Job:
         """The final event's ``choices`` (n > 1 only)."""
         if self.request.n == 1:
             return None
-        return [{"index": k, "text": "".join(c.text), "finish_reason": c.finish_reason or "",
+        return [{"index": k, "text": c.text.getvalue(), "finish_reason": c.finish_reason or "",
                  "completion_tokens": c.num_tokens} for k, c in enumerate(self.choices)]
 
 

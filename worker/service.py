@@ -257,7 +257,7 @@ class Worker:
                 gaps[job.last_token_at] = gaps.get(job.last_token_at, 0) + 1
             job.last_token_at = now
             choice = job.choices[k]
-            choice.text.append(o.delta)
+            choice.text.write(o.delta)
             choice.num_tokens += len(o.new_token_ids)
             fr = None
             if o.finished:
