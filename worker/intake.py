@@ -265,7 +265,7 @@ class Intake:
             self._ack_del(keys, lane, entry_id)
             return
         attempt, deadline = res.attempt, res.deadline
-        job = Job(job_id, entry_id, attempt, req, lane, keys, deadline,
+        job = Job(job_id, entry_id, attempt, req.n, lane, keys, deadline,
                   admitted_at=time.monotonic(), queue_wait_s=res.queue_wait_s)
         self.metrics.queue_wait.labels(lane).observe(job.queue_wait_s)
         next_index = self._replay_events(job)
@@ -276,7 +276,7 @@ class Intake:
             return
         faults.on_admit(str(req.prompt or " ".join(m.content for m in req.messages or [])))
         try:
-            job.prompt_tokens = self._add_to_engine(job)
+            job.prompt_tokens = self._add_to_engine(job, req)
         except Exception as e:  # noqa: BLE001 - input this engine cannot take fails its job
             self.engine.abort_request(job.uid)
             if not isinstance(e, ValueError):
@@ -298,10 +298,9 @@ class Intake:
         self.metrics.prompt_tokens.inc(job.prompt_tokens)
         jlog.info("job_started", attempt=attempt, resumed_tokens=job.completion_tokens)
 
-    def _add_to_engine(self, job: Job) -> int:
+    def _add_to_engine(self, job: Job, req: JobRequest) -> int:
         """One engine request per unfinished choice (resumed after its replayed tokens);
         returns the prompt length."""
-        req = job.request
         messages = ([m.model_dump(exclude_none=True) for m in req.messages]
                     if req.messages else None)
         prompt_tokens = 0

@@ -85,7 +85,7 @@ class Job:
     job_id: str
     entry_id: str
     attempt: int
-    request: JobRequest
+    n: int  # choices (JobRequest.n); the request is not kept past admission (engine/sequence.py)
     lane: str
     keys: Keys
     deadline: float | None = None
@@ -97,7 +97,7 @@ class Job:
 
     def __post_init__(self) -> None:
         if not self.choices:
-            self.choices = [ChoiceState() for _ in range(self.request.n)]
+            self.choices = [ChoiceState() for _ in range(self.n)]
 
     @property
     def seats(self) -> int:
@@ -111,7 +111,7 @@ class Job:
         return self.keys.job(self.job_id)
 
     def request_id(self, k: int) -> str:
-        return self.uid if self.request.n == 1 else f"{self.uid}#{k}"
+        return self.uid if self.n == 1 else f"{self.uid}#{k}"
 
     @property
     def done(self) -> bool:
@@ -130,7 +130,7 @@ class Job:
 
     def choices_json(self) -> list[dict[str, Any]] | None:
         """The final event's ``choices`` (n > 1 only)."""
-        if self.request.n == 1:
+        if self.n == 1:
             return None
         return [{"index": k, "text": c.text.getvalue(), "finish_reason": c.finish_reason or "",
                  "completion_tokens": c.num_tokens} for k, c in enumerate(self.choices)]

@@ -265,7 +265,7 @@ class Worker:
                 if job.done:
                     ended.append(job)
             lp = logprobs_json(o.logprobs, self._token_text) if o.logprobs else None
-            batch.append((rid, job.attempt, None if job.request.n == 1 else k, o.delta,
+            batch.append((rid, job.attempt, None if job.n == 1 else k, o.delta,
                           o.new_token_ids, lp, fr))
         for last, count in gaps.items():
             observe_many(self.metrics.itl, now - last, count)
