@@ -186,3 +186,31 @@ def test_bad_input_is_a_clear_error(smol_engine):
     with pytest.raises(ValueError, match="KV cache"):  # max_model_len vs memory
         LLMEngine("smollm2", device="cpu", num_kv_blocks=8, max_model_len=1024)
     assert not eng.has_unfinished()
+
+
+def test_running_tokens_stay_out_of_the_collectors_scan(tiny_model_dir):
+    """A full garbage collection visits every element of every list the running batch holds:
+    a busy worker's token ids (hundreds of thousands) made each one a pause of tens of ms.
+    The engine keeps them where the collector does not look (engine/sequence.py)."""
+    import gc
+
+    def scanned() -> int:  # elements of the lists the collector tracks
+        gc.collect()
+        return sum(len(o) for o in gc.get_objects() if type(o) is list)
+
+    eng = LLMEngine(str(tiny_model_dir("Qwen3ForCausalLM")), device="cpu", dtype="float32",
+                    block_size=16, num_kv_blocks=1024, max_num_seqs=32,
+                    max_num_batched_tokens=8192)
+    rng = random.Random(7)
+    prompts = [rng.choices(range(300), k=200) for _ in range(32)]  # 6,400 tokens
+    before = scanned() - sum(map(len, prompts))  # the caller's lists, dropped below
+    for k, p in enumerate(prompts):
+        eng.add_request(f"r{k}", p, SamplingParams(max_tokens=20, **G))
+    del prompts, p
+    for _ in range(3):
+        eng.step()
+    grown = scanned() - before
+    assert len(eng.scheduler.running) == 32
+    # block tables and hashes (32 x 13 + 32 x 12 entries) and a little bookkeeping (~1,250
+    # elements); lists of token ids would add 2 x 6,400 (~14,100 with the lists before)
+    assert grown < 3000, grown
