@@ -5,7 +5,8 @@ the model, the tokenizer), none of them ever garbage. A full collection scans th
 ~180 ms on a 2-core CPU (a CPython 3.11 process with SmolLM2 loaded), a stall of the
 engine thread, so of every running job's tokens and of the first token of every job
 arriving meanwhile. ``gc.freeze()`` moves them to the permanent generation: full
-collections then scan only what the worker allocated since.
+collections then scan only what the worker allocated since, mostly the running jobs'
+state, whose token ids and text are kept out of the scan too (engine/sequence.py).
 """
 from __future__ import annotations
 
