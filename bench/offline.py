@@ -191,7 +191,7 @@ def main() -> int:
                num_kv_blocks=engine.runner.num_kv_blocks, load_s=load_s,
                tensor_parallel_size=args.tensor_parallel_size,
                cuda_graphs=len(engine.runner.graphs),
-               kv_cache_gib=engine.runner.num_kv_blocks * engine.runner.block_bytes() / 2**30,
+               kv_cache_gib=engine.runner.kv_cache_bytes / 2**30,
                graph_gib=engine.runner.graph_bytes / 2**30,
                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     if args.shape in PHYSICAL_LIMIT and res["device"] != "cpu":

@@ -224,6 +224,11 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * len(m.attention_layers()) * self.block_size * m.num_kv_heads * m.head_dim * elem
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Device memory of the KV cache (num_kv_blocks blocks)."""
+        return self.num_kv_blocks * self.block_bytes()
+
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         layers = m.attention_layers()

@@ -3,6 +3,7 @@ scheduling path (staggered arrival, chunked prefill, prefix hits, preemption), s
 sampling across preemption, n > 1, abort, stops, bad input."""
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -192,8 +193,6 @@ def test_running_tokens_stay_out_of_the_collectors_scan(tiny_model_dir):
     """A full garbage collection visits every element of every list the running batch holds:
     a busy worker's token ids (hundreds of thousands) made each one a pause of tens of ms.
     The engine keeps them where the collector does not look (engine/sequence.py)."""
-    import gc
-
     def scanned() -> int:  # elements of the lists the collector tracks
         gc.collect()
         return sum(len(o) for o in gc.get_objects() if type(o) is list)

@@ -2,6 +2,8 @@
 for a fixed random model. Skipped without CUDA."""
 from __future__ import annotations
 
+import gc
+import json
 import random
 
 import pytest
@@ -44,8 +46,6 @@ def test_device_memory_stays_within_gpu_memory_utilization(tmp_path):
     """The KV cache's budget leaves room for the CUDA graphs' pools (decode and piecewise)
     and a full step's activations: after steps of every kind, the device memory in use
     stays under gpu_memory_utilization of the total."""
-    import gc
-    import json
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000,
                hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,

@@ -98,7 +98,7 @@ def describe(engine: Any, cfg: Any, worker_id: str) -> str:
     dtype = str(r.dtype).removeprefix("torch.")
     kv_dtype = str(r.kv_cache_dtype).removeprefix("torch.")
     blocks = r.num_kv_blocks
-    gib = blocks * r.block_bytes() / 2**30
+    gib = r.kv_cache_bytes / 2**30
     kv = f"KV cache {blocks:,} blocks x {c.block_size} = {blocks * c.block_size:,} tokens " \
          f"({gib:.2f} GiB{'' if kv_dtype == dtype else ', ' + kv_dtype})" \
         + (f", CUDA graphs {r.graph_bytes / 2**30:.2f} GiB" if r.graph_bytes else "")
