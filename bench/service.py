@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -41,38 +42,81 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-async def drive(url: str, prompts, params) -> dict:
-    s = Settings(redis_url=url, prefix="bench", model="bench")
-    async with AsyncClient(settings=s) as c:
-        warm = [JobRequest(prompt=[1] * 16, max_tokens=8, ignore_eos=True, model="bench")]
-        for j in await c.submit_many(warm):
-            await c.result(j, timeout=600)
-        reqs = [JobRequest(prompt=p, max_tokens=sp.max_tokens, temperature=0.6, ignore_eos=True,
-                           model="bench") for p, sp in zip(prompts, params, strict=True)]
-        t0 = time.perf_counter()
-        ids = await c.submit_many(reqs)
-        ttft, itl, tokens, events, ends = [], [], 0, 0, []
+def _settings(url: str) -> Settings:
+    return Settings(redis_url=url, prefix="bench", model="bench")
 
+
+async def follow_all(url: str, ids: list[str], t0: float) -> dict:
+    """Read every token of the jobs ``ids`` from their streams (one AsyncClient); times on
+    perf_counter, which is system-wide (CLOCK_MONOTONIC), so readers' figures merge."""
+    got = dict(ttft=[], itl=[], tokens=0, events=0, ends=[], cpu_s=0.0)
+    cpu0 = time.process_time()
+    async with AsyncClient(settings=_settings(url)) as c:
         async def follow(job_id: str) -> None:
-            nonlocal tokens, events
             last = None
             async for ev in c.stream(job_id, timeout=600):
                 now = time.perf_counter()
                 if ev.type == "token":
                     n = len(ev.token_ids)
-                    tokens += n
-                    events += 1
+                    got["tokens"] += n
+                    got["events"] += 1
                     if last is None:
-                        ttft.append(now - t0)
+                        got["ttft"].append(now - t0)
                     else:
-                        itl.extend([(now - last) / n] * n)
+                        got["itl"].extend([(now - last) / n] * n)
                     last = now
                 else:
-                    ends.append(now)
+                    got["ends"].append(now)
 
         await asyncio.gather(*[follow(j) for j in ids])
+    got["cpu_s"] = time.process_time() - cpu0
+    return got
+
+
+def _reader(url: str, conn) -> None:
+    """A reader process: receives (job ids, t0), follows them, sends back follow_all's dict."""
+    ids, t0 = conn.recv()
+    conn.send(asyncio.run(follow_all(url, ids, t0)))
+
+
+async def drive(url: str, prompts, params, readers: int = 1) -> dict:
+    """Closed mode: submit every job at once, read every token back. readers > 1: the jobs
+    are split over that many reader processes, started before the clock (one Python
+    process reading 256 streams may itself be the bottleneck: compare client_cpu_s)."""
+    ctx = multiprocessing.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(readers if readers > 1 else 0)]
+    procs = [ctx.Process(target=_reader, args=(url, child), daemon=True) for _, child in pipes]
+    for pr in procs:
+        pr.start()
+    async with AsyncClient(settings=_settings(url)) as c:
+        warm = [JobRequest(prompt=[1] * 16, max_tokens=8, ignore_eos=True, model="bench")]
+        for j in await c.submit_many(warm):
+            await c.result(j, timeout=600)
+        reqs = [JobRequest(prompt=p, max_tokens=sp.max_tokens, temperature=0.6, ignore_eos=True,
+                           model="bench") for p, sp in zip(prompts, params, strict=True)]
+        t0, wall0, cpu0 = time.perf_counter(), time.time(), time.process_time()
+        ids = await c.submit_many(reqs)
+        if procs:
+            for i, (conn, _) in enumerate(pipes):
+                conn.send((ids[i::readers], t0))
+            loop = asyncio.get_running_loop()
+            parts = [await loop.run_in_executor(None, conn.recv) for conn, _ in pipes]
+            for pr in procs:
+                pr.join(30)
+        else:
+            parts = [await follow_all(url, ids, t0)]
+        # this process's CPU (submitting; reading too, without reader processes) + readers'
+        client_cpu = time.process_time() - cpu0 + (sum(p["cpu_s"] for p in parts) if procs else 0)
+        ends = [e for p in parts for e in p["ends"]]
+        ttft = [x for p in parts for x in p["ttft"]]
+        itl = [x for p in parts for x in p["itl"]]
+        tokens, events = sum(p["tokens"] for p in parts), sum(p["events"] for p in parts)
         wall = max(ends) - t0
+        # the worker's view: its last FINISH (the record's finished_at, this host's clock)
+        done = max([(await c.status(j)).finished_at or 0.0 for j in ids]) - wall0
     return dict(service_seconds=wall, service_tokens=tokens, service_tok_s=tokens / wall,
+                readers=readers, client_cpu_s=client_cpu, worker_done_s=done,
+                worker_tok_s=tokens / done,
                 events=events, tokens_per_event=tokens / max(events, 1),
                 ttft_p50=pct(ttft, .5), ttft_p90=pct(ttft, .9), ttft_p99=pct(ttft, .99),
                 itl_p50=pct(itl, .5), itl_p90=pct(itl, .9), itl_p99=pct(itl, .99))
@@ -93,8 +137,13 @@ def main() -> int:
     ap.add_argument("--offline-json", default=None,
                     help="reuse bench/offline.py's JSON from the same session instead of "
                          "rerunning it (default: rerun)")
+    ap.add_argument("--readers", type=int, default=1,
+                    help="closed mode: reader processes the jobs' streams are split over "
+                         "(default: %(default)s, the submitting process reads them all)")
     openloop.add_args(ap)
     args = ap.parse_args()
+    if args.readers < 1:
+        ap.error(f"--readers must be >= 1, got {args.readers}")
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if args.rate:
         return openloop.main(args, env, drive)
@@ -114,7 +163,7 @@ def main() -> int:
             sp.max_tokens = 16
     with Served(args.shape, env) as srv:
         cpu0 = srv.redis_cpu()
-        res = asyncio.run(drive(srv.url, prompts, params))
+        res = asyncio.run(drive(srv.url, prompts, params, args.readers))
         res["redis_cpu_s"] = srv.redis_cpu() - cpu0
     stats = srv.stats
     rt = stats["publish_round_trips"] + stats["intake_round_trips"]
@@ -138,6 +187,10 @@ def main() -> int:
           f"thread CPU {res['worker_publisher_cpu_s']} s | steps {res['worker_steps']} "
           f"(offline: {res['offline_steps']}) | redis-server CPU "
           f"{res['redis_cpu_s']:.2f} s over {res['service_seconds']:.2f} s")
+    print(f"clients' process CPU {res['client_cpu_s']:.2f} s over {res['service_seconds']:.2f} s | "
+          f"the worker's last result {res['worker_done_s']:.2f} s after the first submit "
+          f"({res['worker_tok_s']:.0f} tok/s, {res['worker_tok_s'] / res['offline_tok_s']:.2f} "
+          f"of offline)")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"service-{args.shape}-{args.num_seqs}.json"), "w") as f:

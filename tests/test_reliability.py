@@ -329,6 +329,8 @@ def test_second_sigterm_exits_at_once_first_drains(svc):
     stopped = [json.loads(x) for x in w.log().splitlines() if '"worker_stopped"' in x]
     assert stopped and stopped[0]["steps"] >= 40  # the exit line, with the collector's figures
     assert stopped[0]["gc_full"] >= 0 and stopped[0]["gc_max_pause_s"] >= 0
+    loop = stopped[0]["loop_s"]  # intake while the job ran, inside all of intake
+    assert 0 < loop["intake_busy"] <= loop["intake"] and loop["other"] >= 0, loop
     w2 = svc.worker(env={"PAGEDQ_FAILPOINTS": "step_sleep_s=0.05", "PAGEDQ_DRAIN_TIMEOUT_S": "60"})
     job2 = gen(c, max_tokens=500)
     wait_tokens(c, job2, 2)

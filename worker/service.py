@@ -82,8 +82,10 @@ class Worker:
         self._stopping = False
         self._next_beat = self._next_metrics = self._next_sweep = 0.0
         # seconds of the engine thread, by phase (logged at exit; bench/service.py reads it);
-        # "intake" includes blocking on the stream while the engine is idle
-        self.loop_s = {"engine_step": 0.0, "emit": 0.0, "intake": 0.0, "other": 0.0}
+        # "intake_busy": intake while jobs ran (each poll delays the next step), "intake":
+        # all of it, blocking on the stream while the engine is idle included
+        self.loop_s = {"engine_step": 0.0, "emit": 0.0, "intake": 0.0, "intake_busy": 0.0,
+                       "other": 0.0}
         self._redis_retry_at = 0.0
         self._backoff = 0.1
 
@@ -122,7 +124,8 @@ class Worker:
             self.heartbeat.leave()
             self.gc.stop()
             loop = self.loop_s
-            loop["other"] = time.perf_counter() - t_start - sum(loop.values())
+            loop["other"] = (time.perf_counter() - t_start - sum(loop.values())
+                             + loop["intake_busy"])  # (intake_busy is inside intake)
             # device_wait_s: of engine_step, the host's wait for sampled tokens (the device
             # was the bottleneck then); publisher_cpu_s: the publisher thread's CPU, which
             # competes with the engine thread for the GIL; gc_*: full collections since
@@ -151,10 +154,13 @@ class Worker:
                 if not self.jobs or now > drain_until:
                     break
             else:
-                t = time.perf_counter()
+                t, busy = time.perf_counter(), self.engine.has_unfinished()
                 if self._redis_call(self.intake.poll, own_pending):
                     own_pending = False
-                self.loop_s["intake"] += time.perf_counter() - t
+                dt = time.perf_counter() - t
+                self.loop_s["intake"] += dt
+                if busy:
+                    self.loop_s["intake_busy"] += dt
             if self.engine.has_unfinished():
                 self._step()
             elif until_idle and not self._redis_call(self.intake.has_backlog):
