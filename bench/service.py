@@ -3,6 +3,12 @@ Redis, served by one worker process, every token read back by clients from the p
 streams; compared with bench/offline.py run in the same invocation.
 
   python bench/service.py [--shape qwen3-0.6b] [--num-seqs 256] [--out DIR]
+                          [--rounds N] [--readers N]
+
+--rounds N: N offline runs and N service runs, alternating, each ratio against the offline
+run just before it; the median is reported (one run of each is within a few % of the next:
+docs/benchmarks.md). --readers N: the jobs' streams read by N processes instead of the
+submitting one.
 
 Open-loop mode (definition 5, bench/openloop.py): Poisson arrivals at each rate (jobs/s);
 writes DIR/service-openloop-SHAPE.json (DIR: --out, default bench/results) and, where
@@ -21,6 +27,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -140,27 +147,62 @@ def main() -> int:
     ap.add_argument("--readers", type=int, default=1,
                     help="closed mode: reader processes the jobs' streams are split over "
                          "(default: %(default)s, the submitting process reads them all)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="closed mode: offline and service runs, alternating; the median "
+                         "ratio is reported (default: %(default)s)")
     openloop.add_args(ap)
     args = ap.parse_args()
-    if args.readers < 1:
-        ap.error(f"--readers must be >= 1, got {args.readers}")
+    for name in ("readers", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if args.rate:
         return openloop.main(args, env, drive)
-    if args.offline_json:
-        with open(args.offline_json) as f:
-            offline = json.load(f)
-    else:
-        off = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline.py"),
-                              "--shape", args.shape, "--num-seqs", str(args.num_seqs)]
-                             + (["--smoke"] if args.smoke else []), env=env,
-                             capture_output=True, text=True, check=True)
-        offline = json.loads([x for x in off.stdout.splitlines() if x.startswith("{")][-1])
+    if args.offline_json and args.rounds > 1:
+        ap.error("--offline-json reuses one offline run: it takes --rounds 1")
     prompts, params = workload(args.num_seqs)
     if args.smoke:
         prompts = [p[:16] for p in prompts]
         for sp in params:
             sp.max_tokens = 16
+    rounds = []
+    for i in range(args.rounds):  # offline, then the service, alternating
+        offline = offline_run(args, env)
+        res = closed_round(args, env, prompts, params, offline)
+        rounds.append(res)
+        if args.rounds > 1:
+            print(f"round {i + 1} of {args.rounds}:")
+        report(res)
+    ratios = sorted(r["ratio_to_offline"] for r in rounds)
+    median = statistics.median(ratios)
+    summary = dict(rounds[-1], rounds=[
+        {k: r[k] for k in ("offline_tok_s", "service_tok_s", "ratio_to_offline")}
+        for r in rounds], ratio_median=median)
+    if args.rounds > 1:
+        print(f"ratio to offline, median of {args.rounds} rounds: {summary['ratio_median']:.3f} "
+              f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"service-{args.shape}-{args.num_seqs}.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0 if all(r["service_tokens"] == r["offline_output_tokens"] for r in rounds) else 1
+
+
+def offline_run(args, env: dict[str, str]) -> dict:
+    """bench/offline.py's JSON: read from --offline-json, else a run in its own process
+    (the GPU's memory is free again for the worker once it exits)."""
+    if args.offline_json:
+        with open(args.offline_json) as f:
+            return json.load(f)
+    off = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline.py"),
+                          "--shape", args.shape, "--num-seqs", str(args.num_seqs)]
+                         + (["--smoke"] if args.smoke else []), env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads([x for x in off.stdout.splitlines() if x.startswith("{")][-1])
+
+
+def closed_round(args, env: dict[str, str], prompts, params, offline: dict) -> dict:
+    """One closed-mode service run on a new redis-server and worker, against ``offline``."""
     with Served(args.shape, env) as srv:
         cpu0 = srv.redis_cpu()
         res = asyncio.run(drive(srv.url, prompts, params, args.readers))
@@ -168,6 +210,7 @@ def main() -> int:
     stats = srv.stats
     rt = stats["publish_round_trips"] + stats["intake_round_trips"]
     res.update(shape=args.shape, num_seqs=args.num_seqs, offline_tok_s=offline["throughput_tok_s"],
+               offline_output_tokens=offline["output_tokens"],
                ratio_to_offline=res["service_tok_s"] / offline["throughput_tok_s"],
                worker_steps=stats["steps"], redis_round_trips=rt,
                round_trips_per_step=rt / max(stats["steps"], 1), device=offline["device"],
@@ -175,6 +218,10 @@ def main() -> int:
                offline_host_wait_s=offline.get("host_wait_s"),
                worker_device_wait_s=stats.get("device_wait_s"),
                worker_publisher_cpu_s=stats.get("publisher_cpu_s"))
+    return res
+
+
+def report(res: dict) -> None:
     print(json.dumps(res))
     print(f"offline {res['offline_tok_s']:.0f} tok/s | service {res['service_tok_s']:.0f} tok/s "
           f"(ratio {res['ratio_to_offline']:.2f}) | TTFT p50/p90/p99 {res['ttft_p50']:.2f}/"
@@ -191,11 +238,6 @@ def main() -> int:
           f"the worker's last result {res['worker_done_s']:.2f} s after the first submit "
           f"({res['worker_tok_s']:.0f} tok/s, {res['worker_tok_s'] / res['offline_tok_s']:.2f} "
           f"of offline)")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"service-{args.shape}-{args.num_seqs}.json"), "w") as f:
-            json.dump(res, f, indent=1)
-    return 0 if res["service_tokens"] == offline["output_tokens"] else 1
 
 
 if __name__ == "__main__":
