@@ -10,8 +10,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import redis
 import structlog
@@ -28,38 +26,6 @@ PRUNE_AFTER_S = 3600.0  # a worker silent this long leaves {P}:workers and {P}:s
 # the heartbeat's ``jobs`` field lists at most this many running job ids (``running`` is the
 # full count): bounded hash size whatever the batch (docs/protocol.md, pagedq inspect)
 HEARTBEAT_JOB_IDS = 32
-
-
-@dataclass(frozen=True, slots=True)
-class BeatWrite:
-    """A heartbeat's writes, queued on the publisher's pipeline (``publisher.call``): data
-    only, so that it pickles to a publisher process (worker/publisher_process.py).
-    ``writes``: per key space, (its keys, the worker hash's fields or None, its REFRESH
-    calls); ``refresh_sha``: the REFRESH script's, run as a plain EVALSHA (worker/lua.py)."""
-
-    writes: tuple[tuple[Keys, dict[str, Any] | None, list[worker_scripts.Call]], ...]
-    model: str
-    worker_id: str
-    ttl: int
-    now: float
-    prune_before: float
-    refresh_sha: str
-
-    def __call__(self, pipe) -> None:
-        for keys, state, refresh in self.writes:
-            serving = keys.serving(self.model)
-            if state is not None:
-                wk = keys.worker(self.worker_id)
-                pipe.hset(wk, mapping=state)
-                pipe.expire(wk, self.ttl)
-                pipe.zadd(keys.workers, {self.worker_id: self.now})
-                pipe.zremrangebyscore(keys.workers, "-inf", self.prune_before)
-            pipe.zadd(serving, {self.worker_id: self.now + self.ttl})
-            pipe.sadd(keys.models, self.model)
-            pipe.zremrangebyscore(serving, "-inf", self.prune_before)
-            for call in refresh:
-                pipe.execute_command("EVALSHA", self.refresh_sha, len(call.keys), *call.keys,
-                                     *call.args)
 
 
 class Heartbeat:
@@ -102,8 +68,23 @@ class Heartbeat:
                                               owned[keys, lane])
                        for lane in ident.lanes if (keys, lane) in owned]
             writes.append((keys, state, refresh))
-        self.publisher.call(BeatWrite(tuple(writes), ident.model, ident.worker_id, ttl, now,
-                                      prune_before, self._refresh.sha))
+
+        def write(pipe) -> None:
+            for keys, state, refresh in writes:
+                serving = keys.serving(ident.model)
+                if state is not None:
+                    wk = keys.worker(ident.worker_id)
+                    pipe.hset(wk, mapping=state)
+                    pipe.expire(wk, ttl)
+                    pipe.zadd(keys.workers, {ident.worker_id: now})
+                    pipe.zremrangebyscore(keys.workers, "-inf", prune_before)
+                pipe.zadd(serving, {ident.worker_id: now + ttl})
+                pipe.sadd(keys.models, ident.model)
+                pipe.zremrangebyscore(serving, "-inf", prune_before)
+                for call in refresh:
+                    self._refresh(*call, client=pipe)
+
+        self.publisher.call(write)
 
     def leave(self) -> None:
         """A clean stop: no longer listed as serving (clients asking require_worker see it)."""

@@ -146,11 +146,6 @@ class Publisher:
         self._q.put(("flush", ev))
         return ev.wait(timeout)
 
-    def enqueue(self, msg: tuple) -> None:
-        """A message as the calls above queue it (worker/publisher_process.py's child
-        forwards the worker's calls this way, with its own callbacks and flush events)."""
-        self._q.put(msg)
-
     def stop(self, timeout: float = 30.0) -> None:
         self.flush(timeout)
         self._stop.set()

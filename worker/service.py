@@ -1,7 +1,6 @@
 """The worker loop: Redis intake -> engine.step() -> publish -> ack.
 
-One thread runs the engine (this loop); the publisher (a child process,
-worker/publisher_process.py) writes results. Intake
+One thread runs the engine (this loop); the publisher thread writes results. Intake
 reads only as many entries as the engine can admit and blocks on Redis only while the
 engine is idle, so a job arriving mid-generation joins the running batch at the next
 step. Redis outages never stop the engine: intake backs off (capped), the publisher
@@ -30,8 +29,7 @@ from worker.intake import Intake
 from worker.jobs import Job, WorkerIdentity, logprobs_json, split_request_id
 from worker.metrics import Metrics, observe_many
 from worker.pacing import StepPacer
-from worker.publisher import Final
-from worker.publisher_process import PublisherProcess
+from worker.publisher import Final, Publisher
 
 log = structlog.get_logger("pagedq.worker")
 GIL_SWITCH_S = 0.001
@@ -45,7 +43,7 @@ def default_worker_id() -> str:
 class Worker:
     """The service: parts with declared interfaces, composed here and driven by one loop.
     The engine thread owns ``jobs`` (the jobs this worker started and has not ended) and
-    the engine; the publisher process owns Redis writes of results; the watchdog thread
+    the engine; the publisher thread owns Redis writes of results; the watchdog thread
     only watches steps."""
 
     def __init__(self, engine: LLMEngine, settings: Settings | None = None, *,
@@ -68,7 +66,7 @@ class Worker:
         self.metrics = Metrics()
         self.metrics.watch_device(engine.runner.device)
         self.health = Health(s.health_max_silence_s, self.worker_id)  # /healthz, /readyz
-        self.publisher = PublisherProcess(self.r, s)
+        self.publisher = Publisher(self.r, s)
         self.pacer = StepPacer(engine, s.max_step_s, s.step_watchdog_s)
         self.intake = Intake(ident, engine, self.publisher, self.metrics, self.pacer, self.jobs,
                              self._final, self.log)
@@ -100,11 +98,10 @@ class Worker:
         Raises RedisUnusable, before starting anything, when Redis refuses the credentials
         or the TLS set-up; Redis not answering is not fatal (intake retries)."""
         self._redis_call(self._start_check)
-        # this process's other threads (the publisher's replies, the watchdog, metrics)
-        # compete with the engine thread for the GIL; with CPython's 5 ms switch interval
-        # the engine thread, back from waiting on the device, could wait up to a whole step
-        # (H200, bench/service.py, when the publisher was a thread: 21,663 tok/s at 5 ms,
-        # 22,013-22,089 at 0.2-1 ms)
+        # the publisher thread's Python competes with the engine thread for the GIL; with
+        # CPython's 5 ms switch interval the engine thread, back from waiting on the device,
+        # could wait up to a whole step for it (H200, bench/service.py: 21,663 tok/s at
+        # 5 ms, 22,013-22,089 at 0.2-1 ms)
         sys.setswitchinterval(GIL_SWITCH_S)
         if self.s.metrics_port:
             port = self.metrics.serve(self.s.metrics_port, self.s.metrics_host, self.health)
@@ -121,18 +118,18 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - an engine-loop fault ends the process
             fatal.die("engine", e, list(self.jobs))
         finally:
-            t_end = time.perf_counter()
             self.health.set_phase(STOPPED)
             self.watchdog.stop()
             self.publisher.stop()
             self.heartbeat.leave()
             self.gc.stop()
             loop = self.loop_s
-            loop["other"] = (t_end - t_start - sum(loop.values())
+            loop["other"] = (time.perf_counter() - t_start - sum(loop.values())
                              + loop["intake_busy"])  # (intake_busy is inside intake)
             # device_wait_s: of engine_step, the host's wait for sampled tokens (the device
-            # was the bottleneck then); publisher_cpu_s: the publisher thread's CPU, in its
-            # own process; gc_*: full collections since start-up (worker/gc_pauses.py)
+            # was the bottleneck then); publisher_cpu_s: the publisher thread's CPU, which
+            # competes with the engine thread for the GIL; gc_*: full collections since
+            # start-up (worker/gc_pauses.py)
             self.log.info("worker_stopped", steps=self.steps,
                           publish_round_trips=self.publisher.rounds,
                           intake_round_trips=self.intake.round_trips,
