@@ -70,6 +70,10 @@ class LLMEngine(OfflineMixin):
         self.block_manager = self.scheduler.bm
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids, self.config.seed)
         self._live: dict[str, _Live] = {}
+        # request id of an n > 1 request -> the ids of its samples still live ("id#k"): the
+        # duplicate check and abort_request find a request's samples without a scan of
+        # every live request (O(running) per admission before)
+        self._samples: dict[str, set[str]] = {}
         self.pipeline = StepPipeline(self.runner, self.sampler, self.scheduler, self._live,
                                      self._advance, self.max_model_len, self._async())
         self.last_step_tokens = 0  # tokens computed by the step the last step() launched
@@ -124,7 +128,9 @@ class LLMEngine(OfflineMixin):
         resume); they are re-prefilled, not re-emitted, and count toward max_tokens.
         """
         params = params or SamplingParams()
-        if request_id in self._live or any(k.startswith(request_id + "#") for k in self._live):
+        n = params.n
+        if request_id in self._live or request_id in self._samples or (
+                n > 1 and any(f"{request_id}#{k}" in self._live for k in range(n))):
             raise ValueError(f"request {request_id!r} already exists")
         ids = self.encode(prompt, messages)
         if not ids:
@@ -138,7 +144,6 @@ class LLMEngine(OfflineMixin):
             raise ValueError(f"prompt has {len(ids)} tokens (+{len(resumed)} resumed); the "
                              f"model's context is {self.max_model_len} tokens")
         max_output = min(params.max_tokens, self.max_model_len - len(ids))
-        n = params.n
         for k in range(n):
             rid = request_id if n == 1 else f"{request_id}#{k}"
             p = params
@@ -152,15 +157,29 @@ class LLMEngine(OfflineMixin):
                 stream.push(t)
             self.scheduler.add(seq)
             self._live[rid] = _Live(seq, stream, max_output)
+        if n > 1:
+            self._samples[request_id] = {f"{request_id}#{k}" for k in range(n)}
         return len(ids)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its samples); its KV blocks are freed at once."""
-        rids = [k for k in self._live if k == request_id or k.startswith(request_id + "#")]
+        rids = [request_id] if request_id in self._live else \
+            sorted(self._samples.get(request_id, ()))
         for rid in rids:
             self.scheduler.abort(rid)
-            del self._live[rid]
+            self._drop(rid)
         return bool(rids)
+
+    def _drop(self, rid: str) -> _Live:
+        """Forget a live request (finished or aborted), and its sample's place in its group."""
+        live = self._live.pop(rid)
+        base, sep, _ = rid.rpartition("#")
+        group = self._samples.get(base) if sep else None
+        if group is not None and rid in group:
+            group.discard(rid)
+            if not group:
+                del self._samples[base]
+        return live
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
@@ -226,7 +245,7 @@ class LLMEngine(OfflineMixin):
 
     def _overflowed(self, seq: Sequence) -> StepOutput:
         """A request the scheduler ended because it outgrew the whole KV cache."""
-        live = self._live.pop(seq.request_id)
+        live = self._drop(seq.request_id)
         return StepOutput(seq.request_id, [], live.stream.finish(), True, "length",
                           seq.num_prompt_tokens, seq.num_output_tokens)
 
@@ -253,6 +272,6 @@ class LLMEngine(OfflineMixin):
                 delta += live.stream.finish()
             self.scheduler.finish(seq, reason)  # a no-op if pipeline.expect finished it
             seq.finish_reason = reason
-            del self._live[seq.request_id]
+            self._drop(seq.request_id)
         return StepOutput(seq.request_id, [tok], delta, reason is not None, reason,
                           seq.num_prompt_tokens, n_out, [lp] if lp is not None else None)

@@ -151,6 +151,24 @@ def test_n_samples_share_prompt_blocks_and_differ(tiny_model_dir):
     assert len(out.samples) == 3 and len({tuple(s.token_ids) for s in out.samples}) > 1
 
 
+def test_request_ids_of_samples_are_taken_until_the_request_ends(tiny_model_dir):
+    eng = LLMEngine(str(tiny_model_dir("LlamaForCausalLM")), device="cpu", dtype="float32",
+                    block_size=8, num_kv_blocks=64)
+    two = SamplingParams(n=2, max_tokens=3, **G)
+    eng.add_request("a", [1, 2, 3], two)
+    eng.add_request("b#0", [1, 2, 3], SamplingParams(max_tokens=3, **G))
+    for rid, params in (("a", None), ("a#1", None), ("b", two)):  # taken: "a", "a#1", "b#0"
+        with pytest.raises(ValueError, match="already exists"):
+            eng.add_request(rid, [4, 5], params)
+    eng.add_request("b", [1, 2], SamplingParams(max_tokens=3, **G))  # "b" itself is free
+    assert eng.abort_request("a") and not eng.abort_request("a")
+    eng.add_request("a", [6], two)  # free again once aborted
+    while eng.has_unfinished():
+        eng.step()
+    assert eng._samples == {}  # finished samples leave no bookkeeping behind
+    eng.add_request("a", [7], two)
+
+
 def test_abort_frees_blocks_at_once(tiny_model_dir):
     eng = LLMEngine(str(tiny_model_dir("LlamaForCausalLM")), device="cpu", dtype="float32",
                     block_size=8, num_kv_blocks=32)
