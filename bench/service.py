@@ -41,16 +41,10 @@ from offline import SHAPES, workload  # noqa: E402
 from serving import Served  # noqa: E402
 
 from producer import AsyncClient, JobRequest  # noqa: E402
-from producer.settings import Settings  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
-def _settings(url: str) -> Settings:
-    return Settings(redis_url=url, prefix="bench", model="bench")
+    return openloop.pct(sorted(xs), q)
 
 
 async def follow_all(url: str, ids: list[str], t0: float) -> dict:
@@ -58,7 +52,7 @@ async def follow_all(url: str, ids: list[str], t0: float) -> dict:
     perf_counter, which is system-wide (CLOCK_MONOTONIC), so readers' figures merge."""
     got = dict(ttft=[], itl=[], tokens=0, events=0, ends=[], cpu_s=0.0)
     cpu0 = time.process_time()
-    async with AsyncClient(settings=_settings(url)) as c:
+    async with AsyncClient(settings=openloop.settings(url)) as c:
         async def follow(job_id: str) -> None:
             last = None
             async for ev in c.stream(job_id, timeout=600):
@@ -95,7 +89,7 @@ async def drive(url: str, prompts, params, readers: int = 1) -> dict:
     procs = [ctx.Process(target=_reader, args=(url, child), daemon=True) for _, child in pipes]
     for pr in procs:
         pr.start()
-    async with AsyncClient(settings=_settings(url)) as c:
+    async with AsyncClient(settings=openloop.settings(url)) as c:
         warm = [JobRequest(prompt=[1] * 16, max_tokens=8, ignore_eos=True, model="bench")]
         for j in await c.submit_many(warm):
             await c.result(j, timeout=600)

@@ -173,10 +173,10 @@ class LLMEngine(OfflineMixin):
     def _drop(self, rid: str) -> _Live:
         """Forget a live request (finished or aborted), and its sample's place in its group."""
         live = self._live.pop(rid)
-        base, sep, _ = rid.rpartition("#")
-        group = self._samples.get(base) if sep else None
+        base = rid.rpartition("#")[0]
+        group = self._samples.get(base)
         if group is not None and rid in group:
-            group.discard(rid)
+            group.remove(rid)
             if not group:
                 del self._samples[base]
         return live

@@ -124,8 +124,8 @@ class Worker:
             self.heartbeat.leave()
             self.gc.stop()
             loop = self.loop_s
-            loop["other"] = (time.perf_counter() - t_start - sum(loop.values())
-                             + loop["intake_busy"])  # (intake_busy is inside intake)
+            loop["other"] = time.perf_counter() - t_start - sum(
+                v for k, v in loop.items() if k != "intake_busy")  # (a part of intake)
             # device_wait_s: of engine_step, the host's wait for sampled tokens (the device
             # was the bottleneck then); publisher_cpu_s: the publisher thread's CPU, which
             # competes with the engine thread for the GIL; gc_*: full collections since
