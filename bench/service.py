@@ -202,7 +202,8 @@ def closed_round(args, env: dict[str, str], prompts, params, offline: dict) -> d
         res = asyncio.run(drive(srv.url, prompts, params, args.readers))
         res["redis_cpu_s"] = srv.redis_cpu() - cpu0
     stats = srv.stats
-    rt = stats["publish_round_trips"] + stats["intake_round_trips"]
+    rt = (stats["publish_round_trips"] + stats["intake_round_trips"]
+          + stats.get("intake_read_round_trips", 0))
     res.update(shape=args.shape, num_seqs=args.num_seqs, offline_tok_s=offline["throughput_tok_s"],
                offline_output_tokens=offline["output_tokens"],
                ratio_to_offline=res["service_tok_s"] / offline["throughput_tok_s"],

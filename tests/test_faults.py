@@ -22,7 +22,8 @@ from tests.tiny_service import MODEL
 from worker.fatal import EXIT_FAULT
 
 
-@pytest.mark.parametrize("thread", ["intake", "engine", "publisher", "heartbeat"])
+@pytest.mark.parametrize("thread", ["intake", "intake_read", "engine", "publisher",
+                                    "heartbeat"])
 def test_fault_in_a_worker_thread_ends_it_and_another_finishes_every_job(svc, thread):
     # slow steps: the bad job is still running at the next heartbeat (one a second)
     a = svc.worker(env={"PAGEDQ_FAILPOINTS": f"raise_in_{thread}=boom,step_sleep_s=0.1"})
@@ -31,7 +32,8 @@ def test_fault_in_a_worker_thread_ends_it_and_another_finishes_every_job(svc, th
     jobs.append(gen(c, "the bad one", max_tokens=20, job_id=f"boom-{uuid.uuid4().hex[:6]}"))
     assert a.proc.wait(60) == EXIT_FAULT, a.log()
     log = a.log(None)
-    # intake and the heartbeat run on the engine loop's thread
+    # intake and the heartbeat run on the engine loop's thread; the reader thread's fault
+    # is raised there, where its read is collected
     where = "publisher" if thread == "publisher" else "engine"
     assert '"worker_fault"' in log and f'"thread": "{where}"' in log
     assert f"raise_in_{thread}" in log and "boom-" in log

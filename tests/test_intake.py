@@ -1,5 +1,5 @@
-"""worker/intake.py, in process: a busy worker admits a burst in polls of BUSY_ADMIT_MAX,
-and no lower lane is read while a higher one may hold more."""
+"""worker/intake.py, in process: a busy worker admits a burst in reads of BUSY_ADMIT_MAX on
+its reader thread, and no lower lane is read while a higher one may hold more."""
 from __future__ import annotations
 
 from producer import Client, JobRequest
@@ -23,12 +23,20 @@ def test_a_busy_worker_admits_a_burst_in_bounded_polls_higher_lane_first(redis_s
             c.submit_many([JobRequest(prompt=[1, 2, 3], max_tokens=4, lane=lane, model="m")
                            for lane in [top] * n_top + [low] * 3])
         engine.add_request("running", [1, 2, 3])  # busy: polls do not block
-        admitted = []  # (top lane, lower lane) jobs admitted after each poll
-        for _ in range(3):
-            w.intake.poll(False)
+        admitted = []  # (top lane, lower lane) jobs admitted after each read
+        for _ in range(4):
+            before = len(w.jobs)
+            w.intake.poll(False)  # busy: starts a read and returns before it ends
+            assert len(w.jobs) == before  # nothing read on the engine thread
+            w.intake.settle()  # waits for it, admits its entries
             lanes = [j.lane for j in w.jobs.values()]
             admitted.append((lanes.count(top), lanes.count(low)))
         # the top lane BUSY_ADMIT_MAX at a time; the lower lane only once the top ran short
-        assert admitted == [(BUSY_ADMIT_MAX, 0), (2 * BUSY_ADMIT_MAX, 0), (n_top, 3)]
+        assert admitted == [(BUSY_ADMIT_MAX, 0), (2 * BUSY_ADMIT_MAX, 0), (n_top, 0),
+                            (n_top, 3)]
+        # each read's STARTs in one more round trip, the first one twice (this Redis had not
+        # seen the script: NOSCRIPT, loaded, sent again); the engine thread made none
+        assert w.intake.read_round_trips == 2 * 4 + 1 and w.intake.round_trips == 0
     finally:
+        w.intake.close()
         w.r.close()

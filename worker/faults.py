@@ -8,8 +8,8 @@ PAGEDQ_FAILPOINTS="crash_on_prompt=POISON,step_sleep_s=0.2,wedge_on_prompt=HANG"
   token_sleep_ms   : every engine step takes this much longer per token it computes
                      (a slow device: long prefills make long steps)
   raise_in_<thread>: an unexpected exception in that thread while it handles a job whose
-                     id contains the marker; thread is one of intake, engine, publisher,
-                     heartbeat (tests of worker/fatal.py)
+                     id contains the marker; thread is one of intake, intake_read (the
+                     busy reader), engine, publisher, heartbeat (tests of worker/fatal.py)
 """
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """Intake: reading entries (own pending, reclaimed, new), validating them and starting
 them in the engine. A part of the worker (worker/service.py composes it): it adds jobs to
-the service's table of owned jobs and hands jobs that end at once to ``end_job``.
+the service's table of owned jobs and hands jobs that end at once to ``end_job``. While
+the engine is busy, new entries are read, parsed and STARTed on a reader thread, one read
+at a time; everything else, and everything touching the engine or ``jobs``, runs on the
+engine thread.
 
 Invariant: a job enters ``jobs`` only after the START script made this worker its owner
 (attempt bumped, status running); anything that cannot run is dead-lettered and acked in
@@ -19,9 +22,11 @@ rotating, so a job in another partition waits that long at most.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import redis
 
@@ -48,6 +53,23 @@ CLUSTER_IDLE_BLOCK_MS = 100  # on a cluster: one key space's block, between full
 BUSY_ADMIT_MAX = 32
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class EntryRead:
+    """An entry read, on its way to admission: ``kind`` is "deleted" (no fields left: ack
+    it), "bad" (dead-letter it: ``error``), "running" (already this worker's: nothing to
+    do), "parsed" (``req``; START is next) or "started" (START made this worker its owner:
+    ``started``)."""
+    keys: Keys
+    lane: str
+    entry_id: str
+    fields: dict[str, str] | None
+    kind: str
+    req: JobRequest | None = None
+    started: Started | None = None
+    error: str = ""
+    job_id: str = ""
+
+
 class Intake:
     def __init__(self, ident: WorkerIdentity, engine, publisher: Publisher, metrics: Metrics,
                  pacer: StepPacer, jobs: dict[str, Job],
@@ -62,6 +84,16 @@ class Intake:
         self._start = lua.Script(self.r, lua.START)
         self._reject = lua.Script(self.r, lua.REJECT)
         self.round_trips = 0  # Redis round trips of the engine thread (bench/service.py)
+        self.read_round_trips = 0  # of the reader thread (busy reads), the only writer
+        # A busy worker's reads, and the START of what they read, run here, one read at a
+        # time: the engine thread collects a read's entries at the poll after it ended and
+        # never waits on Redis for them (each of its round trips also waited for the GIL
+        # on the way back, up to the switch interval while the publisher thread ran). The
+        # result is (lane, take, room, [EntryRead]); its exception is raised by the engine
+        # thread's collect, so it ends the loop like any intake fault.
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="pagedq-intake-read")
+        self._inflight: Future | None = None
+        self._scan_from = 0  # rank of the lane the next busy read looks at first
         self._next_reclaim = 0.0
         # while the engine is busy, a lane whose last read was empty is read again only
         # after intake_poll_ms (the first lane) or LOWER_LANE_POLL_S (the others)
@@ -106,7 +138,9 @@ class Intake:
                     if room > 0:
                         more |= not self._own_pending(k, lane, room)
             return not more
-        if time.monotonic() >= self._next_reclaim:
+        self._collect(wait=not self.engine.has_unfinished())
+        # reclaiming while a read is under way could admit more than that read's room
+        if self._inflight is None and time.monotonic() >= self._next_reclaim:
             self._next_reclaim = time.monotonic() + max(0.5, self.s.lease_s / 4)
             for lane in self.ident.lanes:
                 for k in self._tenant_order(f"reclaim {lane}"):
@@ -144,52 +178,87 @@ class Intake:
                 self._admit(keys, lane, entry_id, fields, counts.get(entry_id, 1))
         return len(entries) < room
 
-    def _read_new(self, busy: bool) -> int:
+    def _read_new(self, busy: bool) -> None:
         """New entries. Idle: block on every stream with room at once (every lane of every
         tenant), for one entry each (the next poll, not blocking, fills the rest lane by
-        lane). Busy: each lane with room in turn, highest first, so a lower lane sees what
-        the higher ones left; a lane's room in fair shares among its tenants, at most
-        BUSY_ADMIT_MAX entries: a lane that may hold more ends the poll, so that no lower
-        lane takes seats before it was read again."""
-        got = 0
-        if not busy:
-            rooms, order = self._rooms(), self._tenant_order("idle")
-            lanes_ = [ln for ln, room in rooms.items() if room > 0]
-            if not lanes_:
-                return 0
-            if self.ident.cluster:
-                resp = self._read_idle_cluster(order, lanes_)
-            else:
-                streams = {self.ident.stream(ln, k): ">" for ln in lanes_ for k in order}
-                self.round_trips += 1
-                resp = self.r.xreadgroup(GROUP, self.worker_id, streams, count=1,
-                                         block=IDLE_BLOCK_MS)
-            for stream, entries in sorted(resp or [], key=lambda x: self._rank[x[0]]):
-                for entry_id, fields in entries:
-                    got += 1
-                    self._admit(*self._where[stream], entry_id, fields, 1)
-            return got
-        now = time.monotonic()
-        for rank, lane in enumerate(self.ident.lanes):
+        lane). Busy: start the next read on the reader thread (``_submit_read``)."""
+        if busy:
+            if self._inflight is None:
+                self._submit_read()
+            return
+        rooms, order = self._rooms(), self._tenant_order("idle")
+        lanes_ = [ln for ln, room in rooms.items() if room > 0]
+        if not lanes_:
+            return
+        if self.ident.cluster:
+            resp = self._read_idle_cluster(order, lanes_)
+        else:
+            streams = {self.ident.stream(ln, k): ">" for ln in lanes_ for k in order}
+            self.round_trips += 1
+            resp = self.r.xreadgroup(GROUP, self.worker_id, streams, count=1,
+                                     block=IDLE_BLOCK_MS)
+        for stream, entries in sorted(resp or [], key=lambda x: self._rank[x[0]]):
+            for entry_id, fields in entries:
+                self._admit(*self._where[stream], entry_id, fields, 1)
+
+    def _submit_read(self) -> None:
+        """Busy: read one lane with room, the lanes in turn from ``_scan_from`` (highest
+        first after a wrap), so a lower lane sees what the higher ones left. A lane's room
+        in fair shares among its tenants, at most BUSY_ADMIT_MAX entries; a lane that
+        filled its read while it may hold more is read again before any lower lane
+        (``_collect``), so that no lower lane takes seats before it."""
+        now, lanes_ = time.monotonic(), self.ident.lanes
+        for rank in [*range(self._scan_from, len(lanes_)), *range(self._scan_from)]:
+            lane = lanes_[rank]
             if now < self._next_poll[lane]:
                 continue
             room = self._rooms()[lane]
             if room <= 0:
                 continue
             take = min(room, BUSY_ADMIT_MAX)
-            taken = tenants.fair_take(take, self._tenant_order(lane),
-                                      functools.partial(self._read_lane, lane))
-            n = 0
-            for k, entries in taken.items():
-                for entry_id, fields in entries:
-                    n += 1
-                    self._admit(k, lane, entry_id, fields, 1)
-            wait = self.s.intake_poll_ms / 1000.0 if rank == 0 else LOWER_LANE_POLL_S
-            self._next_poll[lane] = 0.0 if n else now + wait
-            got += n
-            if n == take < room:
-                break
-        return got
+            self._inflight = self._reader.submit(self._take, lane, take, room,
+                                                 self._tenant_order(lane))
+            return
+
+    def _take(self, lane: str, take: int, room: int, order: list[Keys]) -> tuple:
+        """The reader thread's work: ``take`` new entries of ``lane``, fair among tenants,
+        parsed and STARTed in one more round trip. A worker that crashes while admitting
+        them has charged a start to each (poison detection counts starts): to one read's
+        entries at most, BUSY_ADMIT_MAX."""
+        taken = tenants.fair_take(take, order, functools.partial(self._read_lane, lane))
+        if faults.FAILPOINTS:
+            faults.maybe_raise("intake_read", [f.get("job", "") for es in taken.values()
+                                               for _, f in es if f])
+        reads = [self._parse(k, lane, entry_id, fields)
+                 for k, entries in taken.items() for entry_id, fields in entries]
+        parsed = [i for i, e in enumerate(reads) if e.kind == "parsed"]
+        for i, reply in zip(parsed, self._start_many([reads[i] for i in parsed]), strict=True):
+            reads[i] = self._started(reads[i], reply)
+        return lane, take, room, reads
+
+    def _collect(self, wait: bool) -> None:
+        """Admit the entries of the read under way once it has ended (``wait``: wait for
+        it). The only place the reader thread's results, and its faults, come back."""
+        fut = self._inflight
+        if fut is None or not (wait or fut.done()):
+            return
+        self._inflight = None
+        lane, take, room, reads = fut.result()
+        for e in reads:
+            self._admit_read(e, 1)
+        n = len(reads)
+        rank = self.ident.lanes.index(lane)
+        wait_s = self.s.intake_poll_ms / 1000.0 if rank == 0 else LOWER_LANE_POLL_S
+        self._next_poll[lane] = 0.0 if n else time.monotonic() + wait_s
+        self._scan_from = 0 if n == take < room else rank + 1
+
+    def settle(self) -> None:
+        """Admit what the read under way brings (a worker that stops polling: its entries
+        are this worker's already, so they run or are released with the others)."""
+        self._collect(wait=True)
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=False, cancel_futures=True)
 
     def _read_idle_cluster(self, order: list[Keys], lanes_: list[str]) -> list:
         """An idle read on a cluster (see the module docstring): one entry of each stream,
@@ -212,8 +281,9 @@ class Intake:
 
     def _read_lane(self, lane: str, counts: dict[Keys, int]) -> dict[Keys, list]:
         """New entries of a lane's streams, ``counts[tenant]`` of each, in one round trip
-        (XREADGROUP's COUNT is per call: one call per tenant, pipelined)."""
-        self.round_trips += 1
+        (XREADGROUP's COUNT is per call: one call per tenant, pipelined). The reader
+        thread's."""
+        self.read_round_trips += 1
         if len(counts) == 1:
             (k, n), = counts.items()
             resp = self.r.xreadgroup(GROUP, self.worker_id, {self.ident.stream(lane, k): ">"},
@@ -227,34 +297,90 @@ class Intake:
 
     def _admit(self, keys: Keys, lane: str, entry_id: str, fields: dict[str, str] | None,
                deliveries: int) -> None:
-        """START runs here, per entry, right before the job enters the engine (not batched
-        over the entries read): a worker that crashes while admitting has then charged a
-        start only to the jobs it got to (poison detection counts starts). Whatever one
-        entry holds, it is admitted or dead-lettered: it never raises out of here."""
+        """Parse, START and start one entry, all on the engine thread."""
+        e = self._parse(keys, lane, entry_id, fields)
+        if e.kind == "parsed":
+            self.round_trips += 1
+            e = self._started(e, self._start_reply(e))
+        self._admit_read(e, deliveries)
+
+    def _parse(self, keys: Keys, lane: str, entry_id: str,
+               fields: dict[str, str] | None) -> EntryRead:
+        """Admission's first step, on either thread: the entry's request, or why it has
+        none."""
         if not fields:  # its data was deleted from the stream: nothing to run
-            self._ack_del(keys, lane, entry_id)
-            return
+            return EntryRead(keys, lane, entry_id, fields, "deleted")
         try:
             req = parse_entry(fields, self.model, lane)
         except BadEntry as e:
-            self._reject_entry(keys, lane, entry_id, fields, str(e), e.job_id, deliveries)
-            return
+            return EntryRead(keys, lane, entry_id, fields, "bad", error=str(e),
+                             job_id=e.job_id)
+        if keys.job(fields["job"]) in self.jobs:  # already running here (claimed back by
+            return EntryRead(keys, lane, entry_id, fields, "running")  # our refresh)
+        return EntryRead(keys, lane, entry_id, fields, "parsed", req=req)
+
+    def _start_call(self, e: EntryRead) -> worker_scripts.Call:
+        return worker_scripts.start(e.keys, e.fields["job"], self.model, e.lane,
+                                    self.worker_id, self.s.max_deliveries)
+
+    def _start_reply(self, e: EntryRead):
         try:
-            self._start_job(keys, lane, entry_id, fields, req, deliveries)
-        except redis.ResponseError as e:  # e.g. WRONGTYPE: a hostile write to the job's keys
-            self._reject_entry(keys, lane, entry_id, fields,
-                               f"redis refused the job's keys: {e}", fields["job"], deliveries)
+            return self._start(*self._start_call(e))
+        except redis.ResponseError as err:  # e.g. WRONGTYPE: a hostile write to the job's keys
+            return err
+
+    def _start_many(self, parsed: list[EntryRead]) -> list:
+        """START for each entry, in one pipelined round trip (the reader thread's): the
+        replies, a ResponseError where Redis refused one."""
+        todo, replies = list(range(len(parsed))), [None] * len(parsed)
+        while todo:
+            self.read_round_trips += 1
+            pipe = self.r.pipeline(transaction=False)
+            for i in todo:
+                self._start(*self._start_call(parsed[i]), client=pipe)
+            res = pipe.execute(raise_on_error=False)
+            if (down := lua.failed(res)) is not None:
+                raise down
+            for i, x in zip(todo, res, strict=True):
+                replies[i] = x
+            # Redis lost its script cache: load it, send those again (none of them ran)
+            todo = [i for i, x in zip(todo, res, strict=True)
+                    if isinstance(x, redis.exceptions.NoScriptError)]
+            if todo:
+                lua.load_all(self.r)
+        return replies
+
+    @staticmethod
+    def _started(e: EntryRead, reply) -> EntryRead:
+        """``e`` with START's ``reply`` (a ResponseError where Redis refused the job's keys:
+        the entry is dead-lettered)."""
+        if isinstance(reply, redis.ResponseError):
+            return dataclasses.replace(e, kind="bad", job_id=e.fields["job"],
+                                       error=f"redis refused the job's keys: {reply}")
+        return dataclasses.replace(e, kind="started", started=Started.parse(reply))
+
+    def _admit_read(self, e: EntryRead, deliveries: int) -> None:
+        """The second half of admission, on the engine thread. Whatever the entry holds, it
+        is admitted or dead-lettered: it never raises out of here."""
+        if e.kind == "deleted":
+            self._ack_del(e.keys, e.lane, e.entry_id)
+        elif e.kind == "bad":
+            self._reject_entry(e.keys, e.lane, e.entry_id, e.fields, e.error, e.job_id,
+                               deliveries)
+        elif e.kind == "started":
+            try:
+                self._start_job(e.keys, e.lane, e.entry_id, e.fields, e.req, deliveries,
+                                e.started)
+            except redis.ResponseError as err:  # e.g. WRONGTYPE on the job's events stream
+                self._reject_entry(e.keys, e.lane, e.entry_id, e.fields,
+                                   f"redis refused the job's keys: {err}", e.fields["job"],
+                                   deliveries)
 
     def _start_job(self, keys: Keys, lane: str, entry_id: str, fields: dict[str, str],
-                   req: JobRequest, deliveries: int) -> None:
+                   req: JobRequest, deliveries: int, res: Started) -> None:
         job_id = fields["job"]
-        if keys.job(job_id) in self.jobs:  # already running here (claimed back by our refresh)
-            return
         faults.maybe_raise("intake", [job_id])
         jlog = self.log.bind(job_id=job_id, prefix=keys.prefix)
-        self.round_trips += 1
-        res = Started.parse(self._start(*worker_scripts.start(
-            keys, job_id, self.model, lane, self.worker_id, self.s.max_deliveries)))
         if res.kind == "poison":
             self._reject_entry(keys, lane, entry_id, fields, f"poison job: started "
                                f"{res.attempts} times without a result (max_deliveries="

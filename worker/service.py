@@ -1,9 +1,9 @@
 """The worker loop: Redis intake -> engine.step() -> publish -> ack.
 
-One thread runs the engine (this loop); the publisher thread writes results. Intake
-reads only as many entries as the engine can admit and blocks on Redis only while the
-engine is idle, so a job arriving mid-generation joins the running batch at the next
-step. Redis outages never stop the engine: intake backs off (capped), the publisher
+One thread runs the engine (this loop); the publisher thread writes results; while the
+engine is busy, intake's reads run on a reader thread of their own. Intake reads only as
+many entries as the engine can admit and blocks on Redis only while the engine is idle, so
+a job arriving mid-generation joins the running batch within a step or two. Redis outages never stop the engine: intake backs off (capped), the publisher
 retries, the engine keeps its state.
 """
 from __future__ import annotations
@@ -120,6 +120,7 @@ class Worker:
         finally:
             self.health.set_phase(STOPPED)
             self.watchdog.stop()
+            self.intake.close()
             self.publisher.stop()
             self.heartbeat.leave()
             self.gc.stop()
@@ -133,6 +134,7 @@ class Worker:
             self.log.info("worker_stopped", steps=self.steps,
                           publish_round_trips=self.publisher.rounds,
                           intake_round_trips=self.intake.round_trips,
+                          intake_read_round_trips=self.intake.read_round_trips,
                           loop_s={k: round(v, 3) for k, v in loop.items()},
                           device_wait_s=round(self.engine.device_wait_s, 3),
                           publisher_cpu_s=round(self.publisher.cpu_s, 3),
@@ -150,6 +152,7 @@ class Worker:
                 if drain_until is None:
                     drain_until = now + self.s.drain_timeout_s
                     self.log.info("drain_started", running=len(self.jobs))
+                    self._redis_call(self.intake.settle)
                     self.health.set_phase(DRAINING)
                 if not self.jobs or now > drain_until:
                     break
