@@ -40,3 +40,40 @@ def test_a_busy_worker_admits_a_burst_in_bounded_polls_higher_lane_first(redis_s
     finally:
         w.intake.close()
         w.r.close()
+
+
+def test_a_busy_worker_with_dry_lanes_reads_a_job_when_it_lands(redis_server, tiny_dir,
+                                                                monkeypatch):
+    """Every lane dry: the reader thread blocks on all of them at once, for up to
+    PAGEDQ_INTAKE_POLL_MS, and a job landing in any lane ends that wait at once."""
+    import time
+
+    from engine.llm_engine import LLMEngine
+    engine = LLMEngine(tiny_dir, device="cpu", dtype="float32", max_num_seqs=8,
+                       num_kv_blocks=256, block_size=8)
+    # a 20 s wait unless the job wakes it: the test fails on time, not by a flaky bound
+    s = Settings(redis_url=redis_server.url, prefix="t", model="m", intake_poll_ms=20_000)
+    w = Worker(engine, s, worker_id="w")
+    try:
+        w._ensure_group()
+        top, low = w.ident.lanes
+        engine.add_request("running", [1, 2, 3])  # busy
+        w.intake._next_reclaim = float("inf")  # (no reclaim between the reads below)
+        monkeypatch.setattr("worker.intake.LOWER_LANE_POLL_S", 1000.0)  # dry stays dry
+        monkeypatch.setattr("worker.intake.IDLE_BLOCK_MS", 20_000)  # (the watch's cap)
+        for _ in range(2):  # the first lane, then the second, read empty
+            w.intake.poll(False)
+            w.intake.settle()
+        w.intake.poll(False)  # then the watch of both
+        assert w.intake._inflight is not None and not w.jobs
+        t0 = time.monotonic()
+        with Client(settings=s) as c:
+            c.submit_request(JobRequest(prompt=[1, 2, 3], max_tokens=4, lane=low, model="m"))
+        w.intake.settle()
+        assert [j.lane for j in w.jobs.values()] == [low]
+        assert time.monotonic() - t0 < 10  # not the watch's 20 s
+        # two reads, the watch, its job's START (sent twice: this Redis had not seen it)
+        assert w.intake.read_round_trips == 5
+    finally:
+        w.intake.close()
+        w.r.close()
