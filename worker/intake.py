@@ -54,16 +54,6 @@ BUSY_ADMIT_MAX = 32
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ReadDone:
-    """A read of the reader thread: ``take`` entries asked of one lane with ``room`` seats
-    (``Intake._take``), or a watch of ``lanes`` (``Intake._watch``: take is None)."""
-    lanes: list[str]
-    reads: list[EntryRead]
-    take: int | None = None
-    room: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class EntryRead:
     """An entry read, on its way to admission: ``kind`` is "deleted" (no fields left: ack
     it), "bad" (dead-letter it: ``error``), "running" (already this worker's: nothing to
@@ -99,8 +89,8 @@ class Intake:
         # time: the engine thread collects a read's entries at the poll after it ended and
         # never waits on Redis for them (each of its round trips also waited for the GIL
         # on the way back, up to the switch interval while the publisher thread ran). The
-        # result is a ReadDone; its exception is raised by the engine thread's collect, so
-        # it ends the loop like any intake fault.
+        # result is (lane, take, room, [EntryRead]); its exception is raised by the engine
+        # thread's collect, so it ends the loop like any intake fault.
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="pagedq-intake-read")
         self._inflight: Future | None = None
         self._scan_from = 0  # rank of the lane the next busy read looks at first
@@ -216,60 +206,35 @@ class Intake:
         first after a wrap), so a lower lane sees what the higher ones left. A lane's room
         in fair shares among its tenants, at most BUSY_ADMIT_MAX entries; a lane that
         filled its read while it may hold more is read again before any lower lane
-        (``_collect``), so that no lower lane takes seats before it. Once every lane with
-        room is dry (none due), watch them all instead (``_watch``)."""
+        (``_collect``), so that no lower lane takes seats before it."""
         now, lanes_ = time.monotonic(), self.ident.lanes
-        rooms = self._rooms()
         for rank in [*range(self._scan_from, len(lanes_)), *range(self._scan_from)]:
             lane = lanes_[rank]
-            if now < self._next_poll[lane] or rooms[lane] <= 0:
+            if now < self._next_poll[lane]:
                 continue
-            take = min(rooms[lane], BUSY_ADMIT_MAX)
-            self._inflight = self._reader.submit(self._take, lane, take, rooms[lane],
+            room = self._rooms()[lane]
+            if room <= 0:
+                continue
+            take = min(room, BUSY_ADMIT_MAX)
+            self._inflight = self._reader.submit(self._take, lane, take, room,
                                                  self._tenant_order(lane))
             return
-        watch = [ln for ln in lanes_ if rooms[ln] > 0]
-        block_ms = int(min(self.s.intake_poll_ms, IDLE_BLOCK_MS))
-        # a cluster cannot block on the streams of two key spaces in one command
-        if watch and block_ms > 0 and not (self.ident.cluster and len(self.ident.tenants) > 1):
-            self._inflight = self._reader.submit(self._watch, watch, self._tenant_order("watch"),
-                                                 block_ms)
 
-    def _take(self, lane: str, take: int, room: int, order: list[Keys]) -> ReadDone:
+    def _take(self, lane: str, take: int, room: int, order: list[Keys]) -> tuple:
         """The reader thread's work: ``take`` new entries of ``lane``, fair among tenants,
         parsed and STARTed in one more round trip. A worker that crashes while admitting
         them has charged a start to each (poison detection counts starts): to one read's
         entries at most, BUSY_ADMIT_MAX."""
         taken = tenants.fair_take(take, order, functools.partial(self._read_lane, lane))
-        return ReadDone([lane], self._prepared(
-            lane, [(k, entry_id, fields) for k, entries in taken.items()
-                   for entry_id, fields in entries]), take, room)
-
-    def _watch(self, watch: list[str], order: list[Keys], block_ms: int) -> ReadDone:
-        """The reader thread's wait on dry lanes: one entry of each of their streams, in
-        one read that blocks up to ``block_ms`` (PAGEDQ_INTAKE_POLL_MS, IDLE_BLOCK_MS at
-        most), so a job landing in any of them is read at once rather than at the next
-        poll."""
-        self.read_round_trips += 1
-        resp = self.r.xreadgroup(GROUP, self.worker_id,
-                                 {self.ident.stream(ln, k): ">" for ln in watch for k in order},
-                                 count=1, block=block_ms)
-        got = [(self._where[stream], entries) for stream, entries in
-               sorted(resp or [], key=lambda x: self._rank[x[0]])]
-        reads = [e for (k, lane), entries in got
-                 for e in self._prepared(lane, [(k, i, f) for i, f in entries])]
-        return ReadDone(watch, reads)
-
-    def _prepared(self, lane: str, entries: list[tuple[Keys, str, dict | None]]
-                  ) -> list[EntryRead]:
-        """Entries of ``lane`` read by the reader thread, parsed and STARTed."""
         if faults.FAILPOINTS:
-            faults.maybe_raise("intake_read", [f.get("job", "") for _, _, f in entries if f])
-        reads = [self._parse(k, lane, entry_id, fields) for k, entry_id, fields in entries]
+            faults.maybe_raise("intake_read", [f.get("job", "") for es in taken.values()
+                                               for _, f in es if f])
+        reads = [self._parse(k, lane, entry_id, fields)
+                 for k, entries in taken.items() for entry_id, fields in entries]
         parsed = [i for i, e in enumerate(reads) if e.kind == "parsed"]
         for i, reply in zip(parsed, self._start_many([reads[i] for i in parsed]), strict=True):
             reads[i] = self._started(reads[i], reply)
-        return reads
+        return lane, take, room, reads
 
     def _collect(self, wait: bool) -> None:
         """Admit the entries of the read under way once it has ended (``wait``: wait for
@@ -278,19 +243,14 @@ class Intake:
         if fut is None or not (wait or fut.done()):
             return
         self._inflight = None
-        done: ReadDone = fut.result()
-        for e in done.reads:
+        lane, take, room, reads = fut.result()
+        for e in reads:
             self._admit_read(e, 1)
-        now, lanes_ = time.monotonic(), self.ident.lanes
-        for lane in done.lanes:
-            n = sum(e.lane == lane for e in done.reads)
-            wait_s = self.s.intake_poll_ms / 1000.0 if lane == lanes_[0] else LOWER_LANE_POLL_S
-            self._next_poll[lane] = 0.0 if n else now + wait_s
-        if done.take is None:  # a watch: each lane that had a job is read in full next
-            self._scan_from = 0
-        else:
-            n, rank = len(done.reads), lanes_.index(done.lanes[0])
-            self._scan_from = 0 if n == done.take < done.room else rank + 1
+        n = len(reads)
+        rank = self.ident.lanes.index(lane)
+        wait_s = self.s.intake_poll_ms / 1000.0 if rank == 0 else LOWER_LANE_POLL_S
+        self._next_poll[lane] = 0.0 if n else time.monotonic() + wait_s
+        self._scan_from = 0 if n == take < room else rank + 1
 
     def settle(self) -> None:
         """Admit what the read under way brings (a worker that stops polling: its entries
