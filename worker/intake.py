@@ -315,8 +315,10 @@ class Intake:
         except BadEntry as e:
             return EntryRead(keys, lane, entry_id, fields, "bad", error=str(e),
                              job_id=e.job_id)
-        if keys.job(fields["job"]) in self.jobs:  # already running here (claimed back by
-            return EntryRead(keys, lane, entry_id, fields, "running")  # our refresh)
+        # already running here (claimed back by our refresh); read on the reader thread,
+        # ``jobs`` only gains entries on the engine thread, and none that came this way
+        if keys.job(fields["job"]) in self.jobs:
+            return EntryRead(keys, lane, entry_id, fields, "running")
         return EntryRead(keys, lane, entry_id, fields, "parsed", req=req)
 
     def _start_call(self, e: EntryRead) -> worker_scripts.Call:
