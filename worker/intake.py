@@ -315,8 +315,9 @@ class Intake:
         except BadEntry as e:
             return EntryRead(keys, lane, entry_id, fields, "bad", error=str(e),
                              job_id=e.job_id)
-        # already running here (claimed back by our refresh); read on the reader thread,
-        # ``jobs`` only gains entries on the engine thread, and none that came this way
+        # already running here (claimed back by our refresh). On the reader thread this
+        # reads the engine thread's dict: a membership test, and while a read is under way
+        # the engine thread adds no job that could be in it (no reclaim meanwhile)
         if keys.job(fields["job"]) in self.jobs:
             return EntryRead(keys, lane, entry_id, fields, "running")
         return EntryRead(keys, lane, entry_id, fields, "parsed", req=req)
