@@ -173,7 +173,7 @@ def main() -> int:
         {k: r[k] for k in ("offline_tok_s", "service_tok_s", "ratio_to_offline")}
         for r in rounds], ratio_median=median)
     if args.rounds > 1:
-        print(f"ratio to offline, median of {args.rounds} rounds: {summary['ratio_median']:.3f} "
+        print(f"ratio to offline, median of {args.rounds} rounds: {median:.3f} "
               f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -203,7 +203,7 @@ def closed_round(args, env: dict[str, str], prompts, params, offline: dict) -> d
         res["redis_cpu_s"] = srv.redis_cpu() - cpu0
     stats = srv.stats
     rt = (stats["publish_round_trips"] + stats["intake_round_trips"]
-          + stats.get("intake_read_round_trips", 0))
+          + stats["intake_read_round_trips"])
     res.update(shape=args.shape, num_seqs=args.num_seqs, offline_tok_s=offline["throughput_tok_s"],
                offline_output_tokens=offline["output_tokens"],
                ratio_to_offline=res["service_tok_s"] / offline["throughput_tok_s"],

@@ -207,13 +207,10 @@ class Intake:
         in fair shares among its tenants, at most BUSY_ADMIT_MAX entries; a lane that
         filled its read while it may hold more is read again before any lower lane
         (``_collect``), so that no lower lane takes seats before it."""
-        now, lanes_ = time.monotonic(), self.ident.lanes
+        now, lanes_, rooms = time.monotonic(), self.ident.lanes, self._rooms()
         for rank in [*range(self._scan_from, len(lanes_)), *range(self._scan_from)]:
-            lane = lanes_[rank]
-            if now < self._next_poll[lane]:
-                continue
-            room = self._rooms()[lane]
-            if room <= 0:
+            lane, room = lanes_[rank], rooms[lanes_[rank]]
+            if now < self._next_poll[lane] or room <= 0:
                 continue
             take = min(room, BUSY_ADMIT_MAX)
             self._inflight = self._reader.submit(self._take, lane, take, room,

@@ -3,8 +3,9 @@
 One thread runs the engine (this loop); the publisher thread writes results; while the
 engine is busy, intake's reads run on a reader thread of their own. Intake reads only as
 many entries as the engine can admit and blocks on Redis only while the engine is idle, so
-a job arriving mid-generation joins the running batch within a step or two. Redis outages never stop the engine: intake backs off (capped), the publisher
-retries, the engine keeps its state.
+a job arriving mid-generation joins the running batch within a step or two. Redis outages
+never stop the engine: intake backs off (capped), the publisher retries, the engine keeps
+its state.
 """
 from __future__ import annotations
 
