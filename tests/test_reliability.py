@@ -331,6 +331,7 @@ def test_second_sigterm_exits_at_once_first_drains(svc):
     assert stopped[0]["gc_full"] >= 0 and stopped[0]["gc_max_pause_s"] >= 0
     loop = stopped[0]["loop_s"]  # intake while the job ran, inside all of intake
     assert 0 < loop["intake_busy"] <= loop["intake"] and loop["other"] >= 0, loop
+    assert stopped[0]["intake_read_round_trips"] > 0  # busy reads went by the reader thread
     w2 = svc.worker(env={"PAGEDQ_FAILPOINTS": "step_sleep_s=0.05", "PAGEDQ_DRAIN_TIMEOUT_S": "60"})
     job2 = gen(c, max_tokens=500)
     wait_tokens(c, job2, 2)
