@@ -200,3 +200,63 @@ def test_decode_order_only_where_the_triton_kernel_runs(monkeypatch):
     assert ops.decode_order(lens) is None
     assert ops.unknown_ablations("rms_norm, decode_order,,") == []
     assert ops.unknown_ablations("rms_norm,rotary,foo") == ["foo", "rotary"]
+
+
+def gumbel_case(rows, vocab, pad, dtype, seed, greedy_every=3):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, vocab + pad, generator=g) * 4).to(dtype)
+    t = torch.rand(rows, generator=g) * 1.5 + 0.01
+    if greedy_every:
+        t[::greedy_every] = 0.0
+    return x, t, torch.randint(-2**62, 2**62, (rows,), generator=g)
+
+
+@pytest.mark.parametrize("rows,vocab,pad,dtype,greedy_every", [
+    (1, 1000, 0, F32, 0), (5, 3001, 7, F32, 3), (37, 10007, 1, BF, 4),  # 37 rows: 3 tiles
+    (300, 2053, 0, F32, 0), (8, 700, 3, F32, 1)])  # 300 rows: 6 tiles; all greedy
+def test_gumbel_argmax_picks_the_twins_token(rows, vocab, pad, dtype, greedy_every):
+    """Greedy rows take their logits' argmax; a sampled row's token has the twin's maximal
+    noisy score (scores equal to the twin's up to the rounding of log: one ulp here and
+    there, from vectorised and scalar loops); never a padding column."""
+    x, t, keys = gumbel_case(rows, vocab, pad, dtype, seed=rows)
+    got = C.gumbel_argmax(x, t, keys, vocab)
+    score = R.gumbel_scores(x, t, keys, vocab)
+    best = score.max(dim=1).values
+    picked = score.gather(1, got.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)
+    assert got.dtype == torch.int64 and ((got >= 0) & (got < vocab)).all()
+    assert (picked >= best - 1e-6 * (1 + best.abs())).all()
+    assert torch.equal(got[t == 0], x[t == 0, :vocab].float().argmax(dim=1))
+    assert (got == R.gumbel_argmax(x, t, keys, vocab)).float().mean() >= 0.99
+
+
+def test_gumbel_argmax_scores_a_tile_as_the_twin_bit_for_bit():
+    """One tile, one thread's loops: every op is the twin's, in its order and precision."""
+    from kernels import cpu_sampling as S
+    x, t, keys = gumbel_case(6, 4096, 0, BF, seed=3, greedy_every=0)
+    z, u = (torch.empty(6, 4096, dtype=torch.int64) for _ in range(2))
+    e, s = (torch.empty(6, 4096) for _ in range(2))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        S._tile_scores(x, t.unsqueeze(1), keys.unsqueeze(1), S._counter_steps(4096, x.device),
+                       z, u, e, s)
+        assert torch.equal(s, R.gumbel_scores(x, t, keys, 4096))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gumbel_argmax_across_tiles_first_maximum_and_masks():
+    """The first of equal maxima wins across tiles (as argmax); a row masked to one token
+    (top-k / top-p leave -inf) picks it wherever it lies."""
+    rows, vocab = 40, 9000  # 40 rows: tiles of 3,264 columns
+    x = torch.full((rows, vocab), float("-inf"))
+    t = torch.full((rows,), 0.8)
+    keys = torch.arange(rows, dtype=torch.int64) * 7919
+    for r in range(rows):
+        x[r, (r * 997) % vocab] = 0.0
+    x[0, 100] = x[0, 8000] = float("inf")  # equal maxima in the first and last tiles
+    x[1, 8999] = float("inf")
+    got = C.gumbel_argmax(x, t, keys, vocab)
+    assert got[0] == 100 and got[1] == 8999
+    assert got[2:].tolist() == [(r * 997) % vocab for r in range(2, rows)]
+    assert torch.equal(got, R.gumbel_argmax(x, t, keys, vocab))
