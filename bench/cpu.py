@@ -1,7 +1,9 @@
 """CPU throughput against transformers (docs/benchmarks.md, definition 4): the bundled SmolLM2
-in float32, 16 chat prompts, 64 new tokens each with EOS ignored, greedy.
+in float32, 16 chat prompts, 64 new tokens each with EOS ignored, greedy (--temperature:
+both sides sample instead, no top-k / top-p).
 
-  python bench/cpu.py [--rounds 3] [--batch 16] [--max-new-tokens 64] [--json FILE]
+  python bench/cpu.py [--rounds 3] [--batch 16] [--max-new-tokens 64] [--temperature 0]
+                      [--json FILE]
 
 Both sides run in this one process on the same prompt token ids, in alternating rounds
 (transformers, then pagedq, per round), after one short warm-up of each:
@@ -63,7 +65,7 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
 class HFStatic:
     """transformers generate() over one left-padded batch."""
 
-    def __init__(self, folder, tokenizer) -> None:
+    def __init__(self, folder, tokenizer, temperature: float) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -77,9 +79,11 @@ class HFStatic:
         # in from the model's own generation config by generate())
         cfg.eos_token_id = []
         cfg.pad_token_id = self.pad
-        cfg.do_sample = False
         for k in ("temperature", "top_p", "top_k"):
             setattr(cfg, k, None)
+        cfg.do_sample = temperature > 0
+        if cfg.do_sample:
+            cfg.temperature = temperature
         self.gen_config = cfg
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -98,10 +102,11 @@ class HFStatic:
 
 
 class Paged:
-    """pagedq's LLMEngine, greedy, EOS ignored."""
+    """pagedq's LLMEngine, EOS ignored."""
 
     def __init__(self, args) -> None:
         from engine import LLMEngine
+        self.temperature = args.temperature
         self.engine = LLMEngine("smollm2", device="cpu", dtype="float32",
                                 enable_prefix_caching=args.prefix_caching,
                                 max_num_seqs=args.max_num_seqs,
@@ -110,7 +115,8 @@ class Paged:
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         from engine import SamplingParams
-        sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        sp = SamplingParams(temperature=self.temperature, max_tokens=new_tokens,
+                            ignore_eos=True)
         outs = self.engine.generate(prompts, sp, use_tqdm=False)
         return [o.token_ids for o in outs]
 
@@ -142,10 +148,14 @@ def main(argv=None) -> int:
                     help="let pagedq reuse the prompts' KV blocks cached by the warm-up and "
                          "earlier rounds (off: every round prefills every prompt, as "
                          "transformers does)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (the definition); above 0: both sides sample")
     ap.add_argument("--json", default=None, help="write the rounds, medians and bests to this file")
     args = ap.parse_args(argv)
     if min(args.rounds, args.batch, args.max_new_tokens, args.threads) < 1:
         ap.error("--rounds, --batch, --max-new-tokens and --threads must be >= 1")
+    if not 0 <= args.temperature <= 100:
+        ap.error("--temperature must be between 0 and 100")
 
     import torch
     torch.set_num_threads(args.threads)
@@ -153,10 +163,12 @@ def main(argv=None) -> int:
 
     paged = Paged(args)
     prompts = chat_prompts(paged.engine.tokenizer, args.batch)
-    hf = HFStatic(hf_folder(paged.engine.runner.source), paged.engine.tokenizer)
+    hf = HFStatic(hf_folder(paged.engine.runner.source), paged.engine.tokenizer,
+                  args.temperature)
     print(f"SmolLM2-135M float32, CPU, {args.threads} threads, torch {torch.__version__}; "
           f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
-          f"tokens, {args.max_new_tokens} new tokens each", flush=True)
+          f"tokens, {args.max_new_tokens} new tokens each, "
+          f"{f'temperature {args.temperature}' if args.temperature else 'greedy'}", flush=True)
     hf.run(prompts, 4)  # warm-up: first calls allocate and pick kernels
     paged.run(prompts, 4)
 
@@ -166,9 +178,11 @@ def main(argv=None) -> int:
         pq_tps, pq_toks = timed(paged.run, prompts, args.max_new_tokens)
         same = sum(a == b for a, b in zip(hf_toks, pq_toks, strict=True))
         rounds.append({"transformers_tok_s": hf_tps, "pagedq_tok_s": pq_tps,
-                       "ratio": pq_tps / hf_tps, "greedy_equal": same})
+                       "ratio": pq_tps / hf_tps,
+                       "greedy_equal": None if args.temperature else same})
+        agree = f"greedy equal {same}/{len(prompts)}" if not args.temperature else "sampled"
         print(f"round {r + 1}: transformers {hf_tps:7.1f} tok/s  pagedq {pq_tps:7.1f} tok/s  "
-              f"ratio {pq_tps / hf_tps:.2f}  greedy equal {same}/{len(prompts)}", flush=True)
+              f"ratio {pq_tps / hf_tps:.2f}  {agree}", flush=True)
     med = {k: statistics.median(x[k] for x in rounds)
            for k in ("transformers_tok_s", "pagedq_tok_s", "ratio")}
     print(f"median: transformers {med['transformers_tok_s']:.1f} tok/s  pagedq "
