@@ -142,13 +142,16 @@ def test_metrics_endpoint_and_json_logs_without_prompts(service):
     assert client.result(jid, timeout=120).status == "finished"
     port = int(w.extra[w.extra.index("--metrics-port") + 1])
     deadline = time.time() + 15
-    while True:  # queue gauges are read every few seconds
+    while True:  # queue gauges are read every few seconds; the job's end is counted by the
+        # publisher thread after the result is committed, so a reader can see it first
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
                    if line and not line.startswith("#")}
         # the queue gauges' labels besides lane (the text format sorts labels by name)
         queue = f'model="{client.model}",prefix="{w.prefix}"'
-        if f'pagedq:stream_length{{lane="batch",{queue}}}' in samples or time.time() > deadline:
+        counted = samples.get("pagedq:e2e_request_latency_seconds_count", 0) >= 1
+        if f'pagedq:stream_length{{lane="batch",{queue}}}' in samples and counted \
+                or time.time() > deadline:
             break
         time.sleep(0.5)
     for name in ("pagedq:num_requests_running", "pagedq:num_requests_waiting",
