@@ -69,13 +69,12 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
     """reference.gumbel_argmax (same signature and semantics)."""
     x = logits[:, :vocab_size]
     hot = temperature > 0
-    if not bool(hot.any()):
+    rows = hot.nonzero().squeeze(1)
+    if len(rows) == 0:
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    cold = ~hot
-    if bool(cold.any()):
-        out[cold] = x[cold].argmax(dim=-1)
-    rows = hot.nonzero().squeeze(1)
+    if len(rows) < x.shape[0]:
+        out[~hot] = x[~hot].argmax(dim=-1)
     xs, ts, ks = x[rows], temperature[rows].float().unsqueeze(1), keys[rows].unsqueeze(1)
     R, V = xs.shape
     width = min(V, max(64, TILE // R // 64 * 64))

@@ -12,6 +12,7 @@ import pytest
 from producer import Client
 from producer.errors import InvalidRequest
 from producer.keys import GROUP
+from tests.waiting import until
 from tests.worker_proc import WorkerProc
 from worker.redis_server import free_port
 
@@ -167,17 +168,16 @@ def test_metrics_endpoint_and_json_logs_without_prompts(service):
     assert samples["pagedq:e2e_request_latency_seconds_count"] >= 1
     assert samples['pagedq:request_queue_time_seconds_count{lane="interactive"}'] >= 1
     assert samples["pagedq:inter_token_latency_seconds_count"] >= 4
-    deadline = time.time() + 15
-    while True:  # job_done is logged by the publisher thread after the result is committed
+    def job_done() -> list[dict]:
         log = w.log(tail=None)
         lines = log[:log.rfind("\n") + 1].splitlines()  # whole lines: it may be mid-write
         events = [json.loads(x) for x in lines if x.startswith("{")]
-        done = [e for e in events if e.get("event") == "job_done" and e.get("job_id") == jid]
-        if done or time.time() > deadline:
-            break
-        time.sleep(0.2)
-    assert secret not in log, "prompts must never be logged"
-    assert done and done[0]["worker_id"] == w.worker_id and done[0]["status"] == "finished"
+        return [e for e in events if e.get("event") == "job_done" and e.get("job_id") == jid]
+
+    # job_done is logged by the publisher thread after the result is committed
+    done = until(job_done, "the job's job_done line", timeout=15, every=0.2)
+    assert secret not in w.log(tail=None), "prompts must never be logged"
+    assert done[0]["worker_id"] == w.worker_id and done[0]["status"] == "finished"
 
 
 def test_token_id_prompts_and_out_of_vocab_ids(service):
