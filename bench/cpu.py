@@ -35,7 +35,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from worker.demo import PROMPTS as DEMO_PROMPTS  # noqa: E402
+from pagedq.worker.demo import PROMPTS as DEMO_PROMPTS  # noqa: E402
 
 PROMPTS = [  # the demo's 8, then 8 more
     *DEMO_PROMPTS,
@@ -69,7 +69,7 @@ class HFStatic:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from engine.loader import quiet_transformers
+        from pagedq.engine.loader import quiet_transformers
         with quiet_transformers():
             self.model = AutoModelForCausalLM.from_pretrained(
                 str(folder), dtype=torch.float32).eval()
@@ -105,7 +105,7 @@ class Paged:
     """pagedq's LLMEngine, EOS ignored."""
 
     def __init__(self, args) -> None:
-        from engine import LLMEngine
+        from pagedq.engine import LLMEngine
         self.temperature = args.temperature
         self.engine = LLMEngine("smollm2", device="cpu", dtype="float32",
                                 enable_prefix_caching=args.prefix_caching,
@@ -114,7 +114,7 @@ class Paged:
                                 max_model_len=args.max_model_len)
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        from engine import SamplingParams
+        from pagedq.engine import SamplingParams
         sp = SamplingParams(temperature=self.temperature, max_tokens=new_tokens,
                             ignore_eos=True)
         outs = self.engine.generate(prompts, sp, use_tqdm=False)
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
 
     import torch
     torch.set_num_threads(args.threads)
-    from engine.loader import hf_folder
+    from pagedq.engine.loader import hf_folder
 
     paged = Paged(args)
     prompts = chat_prompts(paged.engine.tokenizer, args.batch)

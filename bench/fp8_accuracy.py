@@ -39,9 +39,9 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
-    from engine.scoring import next_token_logprobs
+    from pagedq.engine.config import EngineConfig
+    from pagedq.engine.model_runner import ModelRunner
+    from pagedq.engine.scoring import next_token_logprobs
     configs = [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8"),
                ("float32", "fp8")]
     ids = None

@@ -35,8 +35,8 @@ from triton.testing import do_bench  # noqa: E402
 if not __package__:  # run as a script: bench/ is sys.path[0] and this file shadows `kernels`
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.modules.pop("kernels", None)
-from kernels.decode_attention import choose_num_splits, decode_launch  # noqa: E402
-from kernels.layout import transposed_view  # noqa: E402
+from pagedq.kernels.decode_attention import choose_num_splits, decode_launch  # noqa: E402
+from pagedq.kernels.layout import transposed_view  # noqa: E402
 
 BS, D, DT = 16, 128, torch.bfloat16
 GRID_B, GRID_L = (1, 16, 64, 256), (512, 2048, 8192, 32768)

@@ -55,7 +55,7 @@ def main() -> int:
 
     import torch
 
-    from engine import LLMEngine, SamplingParams
+    from pagedq.engine import LLMEngine, SamplingParams
     engine = LLMEngine(model_folder(args.shape), load_format="dummy", max_model_len=4096,
                        max_num_seqs=256, max_num_batched_tokens=16384, device=args.device,
                        enforce_eager=args.enforce_eager,

@@ -67,7 +67,7 @@ PHYSICAL_LIMIT = {"qwen3-0.6b": 35600.0}  # tok/s on the H200 (docs/benchmarks.m
 
 
 def workload(n: int):
-    from engine import SamplingParams
+    from pagedq.engine import SamplingParams
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
                for _ in range(n)]
@@ -105,7 +105,7 @@ def set_ablations(ap: argparse.ArgumentParser, names: str) -> None:
     if not names:
         return
     os.environ["PAGEDQ_DISABLE_KERNELS"] = names
-    from engine.layers.ops import ABLATIONS, unknown_ablations
+    from pagedq.engine.layers.ops import ABLATIONS, unknown_ablations
     if bad := unknown_ablations(names):
         ap.error(f"--disable: unknown {', '.join(bad)} (known: {', '.join(sorted(ABLATIONS))})")
 
@@ -161,7 +161,7 @@ def main() -> int:
     set_ablations(ap, args.disable)
     import torch
 
-    from engine import LLMEngine, SamplingParams
+    from pagedq.engine import LLMEngine, SamplingParams
     t = time.perf_counter()
     engine = LLMEngine(model_folder(args.shape), load_format="dummy", max_model_len=4096,
                        max_num_seqs=args.max_num_seqs, block_size=args.block_size,

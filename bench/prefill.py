@@ -47,8 +47,8 @@ if not __package__:  # run as a script: bench/ is sys.path[0] and kernels.py sha
     sys.path[0] = ROOT
     sys.modules.pop("kernels", None)
     sys.path.append(os.path.join(ROOT, "bench"))
-from kernels import reference  # noqa: E402
-from kernels.prefill_attention import paged_attention  # noqa: E402
+from pagedq.kernels import reference  # noqa: E402
+from pagedq.kernels.prefill_attention import paged_attention  # noqa: E402
 
 BS = 16
 if DRY:
@@ -197,7 +197,7 @@ def ttft(runs: int, budget: int) -> dict:
     """Wall time of generate([one new TTFT_LEN-token prompt], max_tokens=1)."""
     from offline import model_folder
 
-    from engine import LLMEngine, SamplingParams
+    from pagedq.engine import LLMEngine, SamplingParams
     engine = LLMEngine(model_folder(SHAPE), load_format="dummy", max_model_len=2 * TTFT_LEN,
                        max_num_seqs=256, max_num_batched_tokens=budget,
                        device="cpu" if DRY else "auto")

@@ -33,7 +33,7 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from engine import LLMEngine
+    from pagedq.engine import LLMEngine
     engine = LLMEngine(model_folder(args.shape), load_format="dummy", max_model_len=4096,
                        max_num_seqs=256, max_num_batched_tokens=16384,
                        enforce_eager=args.enforce_eager)

@@ -2,7 +2,7 @@
 
 Simulated workers run the real worker publish path: jobs submitted by real clients
 (AsyncClient.submit_many: the SUBMIT script), taken with XREADGROUP and started with the
-real START script, then token events written by the real ``worker.publisher.Publisher``
+real START script, then token events written by the real ``pagedq.worker.publisher.Publisher``
 (PUBLISH script: XADD to the job's out stream + PUBLISH) and ended by its FINISH script.
 Each step writes one event per running job carrying ``--tokens-per-event`` tokens (what
 the H200 worker's coalescing produces: 1.0 with PAGEDQ_COALESCE_MS=0, ~2.3 by default), and
@@ -46,8 +46,8 @@ sys.path.insert(0, ROOT)
 
 import redis  # noqa: E402
 
-from producer.keys import GROUP, Keys  # noqa: E402
-from producer.settings import Settings  # noqa: E402
+from pagedq.producer.keys import GROUP, Keys  # noqa: E402
+from pagedq.producer.settings import Settings  # noqa: E402
 
 PREFIX, MODEL = "bench", "bench"
 PROMPT_TOKENS = 16
@@ -83,10 +83,10 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
     running job through the real Publisher, FINISH after a job's last token."""
     import structlog
 
-    from producer.connection import connect
-    from producer.worker_scripts import Started, start
-    from worker import lua
-    from worker.publisher import Final, Publisher
+    from pagedq.producer.connection import connect
+    from pagedq.producer.worker_scripts import Started, start
+    from pagedq.worker import lua
+    from pagedq.worker.publisher import Final, Publisher
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
     s = settings_of(load)
@@ -167,7 +167,7 @@ def reader_entry(load: Load, counters, stop_submit) -> None:
 async def reader_main(load: Load, counters, stop_submit) -> None:
     """``load.inflight`` slots, each: submit one job, read it to its final event, again,
     until ``stop_submit``."""
-    from producer import AsyncClient, JobRequest
+    from pagedq.producer import AsyncClient, JobRequest
 
     req = JobRequest(prompt=[1] * PROMPT_TOKENS, max_tokens=load.max_tokens, ignore_eos=True,
                      model=MODEL)
@@ -220,7 +220,7 @@ def balanced_prefix(masters: int, partitions: int) -> str:
 
 @contextlib.contextmanager
 def single_redis(partitions: int):
-    from worker.redis_server import RedisServer
+    from pagedq.worker.redis_server import RedisServer
 
     with RedisServer() as srv:
         yield srv.url, [srv.port], [partitions]

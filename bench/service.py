@@ -40,7 +40,7 @@ import openloop  # noqa: E402
 from offline import SHAPES, workload  # noqa: E402
 from serving import Served  # noqa: E402
 
-from producer import AsyncClient, JobRequest  # noqa: E402
+from pagedq.producer import AsyncClient, JobRequest  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -10,7 +10,7 @@ import sys
 
 from offline import model_folder
 
-from worker.redis_server import RedisServer
+from pagedq.worker.redis_server import RedisServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "bench"  # the served name and the clients' model
@@ -29,7 +29,7 @@ class Served:
         self.srv = RedisServer().__enter__()
         self.url = self.srv.url
         self.log_path = os.path.join(self.srv.dir, "worker.log")
-        cmd = [sys.executable, "-m", "worker.cli", "--redis-url", self.url, "--prefix", PREFIX,
+        cmd = [sys.executable, "-m", "pagedq.worker.cli", "--redis-url", self.url, "--prefix", PREFIX,
                "worker", "--model", model_folder(self.shape), "--served-name", MODEL,
                "--load-format", "dummy", "--max-num-seqs", "256", "--max-model-len", "4096",
                "--max-num-batched-tokens", "16384", "--worker-id", "bench"]

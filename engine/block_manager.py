@@ -36,8 +36,8 @@ import hashlib
 from array import array
 from collections.abc import Callable, Iterable
 
-from engine.kv_blocks import FreeBlockQueue, KVBlock
-from engine.sequence import Sequence
+from pagedq.engine.kv_blocks import FreeBlockQueue, KVBlock
+from pagedq.engine.sequence import Sequence
 
 ROOT_HASH = 0  # parent hash of block 0
 

@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
+from pagedq.engine.sampling_params import SamplingParams
 
 _CONTEXT = 5  # prompt tokens used as initial context (vLLM's initial detokenization offset)
 _MAX_PENDING = 8  # > the 4 bytes of any UTF-8 character, even with one byte per token

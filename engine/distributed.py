@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from engine.parallel import TensorParallel
+from pagedq.engine.parallel import TensorParallel
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from pagedq.engine.config import EngineConfig
 
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
@@ -394,7 +394,7 @@ def rank_main(runner_cls: type, rank: int, size: int, port: int, model: str, con
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     code = 0
     try:
-        from engine.config import EngineConfig
+        from pagedq.engine.config import EngineConfig
 
         cfg = EngineConfig(**config)
         if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import ScheduledBatch
-from engine.config import EngineConfig
-from engine.layers.attention import AttentionMetadata
-from engine.sequence import Sequence
+from pagedq.engine.batch import ScheduledBatch
+from pagedq.engine.config import EngineConfig
+from pagedq.engine.layers.attention import AttentionMetadata
+from pagedq.engine.sequence import Sequence
 
 
 @dataclass(slots=True)

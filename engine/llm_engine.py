@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.detokenizer import OutputStream
-from engine.model_runner import ModelRunner
-from engine.offline import OfflineMixin
-from engine.outputs import StepOutput
-from engine.pipeline import StepPipeline, num_known_tokens
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from pagedq.engine.config import EngineConfig
+from pagedq.engine.detokenizer import OutputStream
+from pagedq.engine.model_runner import ModelRunner
+from pagedq.engine.offline import OfflineMixin
+from pagedq.engine.outputs import StepOutput
+from pagedq.engine.pipeline import StepPipeline, num_known_tokens
+from pagedq.engine.sampler import Sampler
+from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.scheduler import Scheduler
+from pagedq.engine.sequence import Sequence
 
 # EngineConfig.prefill_wait_steps by default: arrivals gathered for up to this many steps
 # while the batch decodes. H200, 192 sequences decoding, one new 512-token prompt before

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.progress import stage
+from pagedq.engine.progress import stage
 
 if TYPE_CHECKING:  # torch is imported where it is used: resolve_model stays torch-free
     import torch

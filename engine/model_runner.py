@@ -26,20 +26,20 @@ import weakref
 
 import torch
 
-from engine.batch import ScheduledBatch
-from engine.config import EngineConfig
-from engine.inputs import InputBuilder, Packed
-from engine.layers import ops
-from engine.layers.attention import AttentionMetadata
-from engine.layers.packed import pack_model
-from engine.loader import load_model_files, resolve_model
-from engine.models import get_model_class
-from engine.parallel import SINGLE
-from engine.piecewise import PiecewiseGraphs
-from engine.progress import stage
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from kernels.layout import transposed_view
+from pagedq.engine.batch import ScheduledBatch
+from pagedq.engine.config import EngineConfig
+from pagedq.engine.inputs import InputBuilder, Packed
+from pagedq.engine.layers import ops
+from pagedq.engine.layers.attention import AttentionMetadata
+from pagedq.engine.layers.packed import pack_model
+from pagedq.engine.loader import load_model_files, resolve_model
+from pagedq.engine.models import get_model_class
+from pagedq.engine.parallel import SINGLE
+from pagedq.engine.piecewise import PiecewiseGraphs
+from pagedq.engine.progress import stage
+from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.sequence import Sequence
+from pagedq.kernels.layout import transposed_view
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -111,7 +111,7 @@ class ModelRunner:
         if tp_size == 1:
             self._build(model_cls, weights)
         else:
-            from engine.distributed import RankGroup
+            from pagedq.engine.distributed import RankGroup
             if rank == 0:
                 stage(f"starting {tp_size - 1} tensor-parallel rank process(es)")
                 link = self.ranks = RankGroup(type(self), model_name_or_path, config,

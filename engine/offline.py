@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from pagedq.engine.outputs import RequestOutput
+from pagedq.engine.sampling_params import SamplingParams
 
 
 class OfflineMixin:

@@ -26,7 +26,7 @@ import bisect
 
 import torch
 
-from engine.layers.attention import Attention, AttentionMetadata
+from pagedq.engine.layers.attention import Attention, AttentionMetadata
 
 # captured token counts (those above the runner's limit dropped, the limit itself added).
 # Larger steps run eagerly: their device time hides the eager launches (H200, Qwen3-0.6B:

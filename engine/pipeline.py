@@ -51,15 +51,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import SeqStatus, Sequence
+from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
-    from engine.batch import ScheduledBatch
-    from engine.model_runner import ModelRunner
-    from engine.outputs import StepOutput
-    from engine.sampler import Sampler
-    from engine.scheduler import Scheduler
+    from pagedq.engine.batch import ScheduledBatch
+    from pagedq.engine.model_runner import ModelRunner
+    from pagedq.engine.outputs import StepOutput
+    from pagedq.engine.sampler import Sampler
+    from pagedq.engine.scheduler import Scheduler
 
 PLACEHOLDER = -1  # token_ids entry of a sampled token not yet copied to the host
 RUNNING = SeqStatus.RUNNING

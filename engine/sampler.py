@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers import ops
-from engine.sampling_ops import (  # noqa: F401  (re-exported: the sampler's public API)
+from pagedq.engine.layers import ops
+from pagedq.engine.sampling_ops import (  # noqa: F401  (re-exported: the sampler's public API)
     SAMPLING_EPS,
     apply_min_p,
     apply_penalties,
@@ -31,7 +31,7 @@ from engine.sampling_ops import (  # noqa: F401  (re-exported: the sampler's pub
     row_seed,
     stream_keys,
 )
-from engine.sequence import Sequence
+from pagedq.engine.sequence import Sequence
 
 
 @dataclass(slots=True)

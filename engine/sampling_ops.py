@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import C1, C2, GAMMA, signed64
+from pagedq.kernels.reference import C1, C2, GAMMA, signed64
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM)
 _MASK64 = (1 << 64) - 1

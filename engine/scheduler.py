@@ -42,10 +42,10 @@ from __future__ import annotations
 from bisect import insort_left, insort_right
 from collections.abc import Callable
 
-from engine.batch import ScheduledBatch
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.sequence import SeqStatus, Sequence
+from pagedq.engine.batch import ScheduledBatch
+from pagedq.engine.block_manager import BlockManager
+from pagedq.engine.config import EngineConfig
+from pagedq.engine.sequence import SeqStatus, Sequence
 
 RUNNING = SeqStatus.RUNNING
 MAX_HELD_STEPS = 4  # see schedule(): lower-priority prefills wait at most this many steps

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.batch import ScheduledBatch
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pagedq.engine.batch import ScheduledBatch
+from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.sequence import Sequence
 
 
 @torch.inference_mode()

@@ -22,7 +22,7 @@ from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.sampling_params import SamplingParams
+from pagedq.engine.sampling_params import SamplingParams
 
 _arrival = itertools.count()
 

@@ -5,5 +5,5 @@ everything a request needs (jobs, their events, API keys, rate-limit counters, u
 files' records) is in Redis (uploaded files themselves in the batch folder), so any number
 of gateway processes may serve behind a load balancer. Imports producer/ only: never torch,
 the engine or the worker (tests/test_architecture.py). Importing this package imports
-nothing heavy; ``gateway.app`` imports FastAPI.
+nothing heavy; ``pagedq.gateway.app`` imports FastAPI.
 """

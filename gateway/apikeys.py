@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from producer.keys import Keys, check_name
+from pagedq.producer.keys import Keys, check_name
 
 KEY_PREFIX = "pq-"
 ID_LEN = 12  # hex digits of the hash that name a key

@@ -25,10 +25,10 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 
-from producer.batch import Batch, BatchNotFound, BatchStateError
-from producer.errors import InvalidRequest
-from producer.keys import Keys
-from producer.openai_api import ENDPOINTS
+from pagedq.producer.batch import Batch, BatchNotFound, BatchStateError
+from pagedq.producer.errors import InvalidRequest
+from pagedq.producer.keys import Keys
+from pagedq.producer.openai_api import ENDPOINTS
 
 from .errors import APIError, bad_request, not_found
 

@@ -19,10 +19,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from producer.aio import AsyncClient
-from producer.errors import NoWorker, PagedqError
-from producer.openai_api import COMPLETION, response_body, token_logprobs
-from producer.schema import FinalEvent, JobRecord, Status
+from pagedq.producer.aio import AsyncClient
+from pagedq.producer.errors import NoWorker, PagedqError
+from pagedq.producer.openai_api import COMPLETION, response_body, token_logprobs
+from pagedq.producer.schema import FinalEvent, JobRecord, Status
 
 from .apikeys import Admitted
 from .errors import APIError, from_pagedq

@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from producer.errors import (
+from pagedq.producer.errors import (
     InvalidRequest,
     JobConflict,
     JobNotFound,

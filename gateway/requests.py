@@ -24,10 +24,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from producer.keys import JOB_ID_RE, new_job_id
-from producer.openai_api import body_problem
-from producer.schema import JobRequest, describe
-from producer.scripts import queued_tokens_of
+from pagedq.producer.keys import JOB_ID_RE, new_job_id
+from pagedq.producer.openai_api import body_problem
+from pagedq.producer.schema import JobRequest, describe
+from pagedq.producer.scripts import queued_tokens_of
 
 from .errors import APIError, bad_request
 

@@ -23,8 +23,8 @@ import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-from producer.aio import AsyncClient
-from producer.openai_api import (
+from pagedq.producer.aio import AsyncClient
+from pagedq.producer.openai_api import (
     CHAT,
     chat_logprobs,
     chunk,
@@ -32,7 +32,7 @@ from producer.openai_api import (
     completion_logprobs,
     usage,
 )
-from producer.schema import Event, FinalEvent, FinishReason, Status, TokenEvent
+from pagedq.producer.schema import Event, FinalEvent, FinishReason, Status, TokenEvent
 
 DONE = "[DONE]"
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import FLOAT
+from pagedq.kernels.layout import FLOAT
 
 
 @triton.jit

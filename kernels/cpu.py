@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels.cpu_sampling import gumbel_argmax  # noqa: F401  (an op of this module)
+from pagedq.kernels import reference
+from pagedq.kernels.cpu_sampling import gumbel_argmax  # noqa: F401  (an op of this module)
 
 
 def _version(t: torch.Tensor) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import C1, C2, GAMMA, signed64
+from pagedq.kernels.reference import C1, C2, GAMMA, signed64
 
 TILE = 1 << 17  # elements of a sampled tile: its int64 temporaries (1 MB each) stay cached
 _steps: dict[tuple[int, torch.device], torch.Tensor] = {}

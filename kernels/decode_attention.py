@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import check_paged_qkv, is_transposed
+from pagedq.kernels.layout import check_paged_qkv, is_transposed
 
 _LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a fully masked row never makes inf - inf

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import check_paged_qkv
+from pagedq.kernels.layout import check_paged_qkv
 
 _LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": padded rows never make inf - inf

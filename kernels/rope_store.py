@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import CACHE, FLOAT
-from kernels.rotary import check_rotary_inputs
-from kernels.store_kvcache import check_slots
+from pagedq.kernels.layout import CACHE, FLOAT
+from pagedq.kernels.rotary import check_rotary_inputs
+from pagedq.kernels.store_kvcache import check_slots
 
 
 @triton.jit

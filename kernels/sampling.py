@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.reference import C1, C2, GAMMA
+from pagedq.kernels.reference import C1, C2, GAMMA
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import CACHE, FLOAT, is_paged_layout
+from pagedq.kernels.layout import CACHE, FLOAT, is_paged_layout
 
 
 # slot_mapping is a slice of a packed buffer: its alignment changes with T, which must not

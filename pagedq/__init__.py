@@ -10,45 +10,54 @@ cache, tokens streamed back through Redis). The documented entry point:
 The client side (``Client``, ``AsyncClient``, ``Batches``, the request and record models,
 the errors) imports no torch. ``LLMEngine`` and ``SamplingParams`` (the engine, for
 offline use) load on first access, so ``import pagedq`` stays light. The implementation
-lives in the packages ``producer`` (client), ``engine`` and ``worker``; these names are
-the stable ones.
+lives in the subpackages ``pagedq.producer`` (client), ``pagedq.engine``, ``pagedq.worker``,
+``pagedq.kernels`` and ``pagedq.gateway``; these names are the stable ones.
 """
 from __future__ import annotations
 
+import os as _os
 from typing import TYPE_CHECKING, Any
 
-from producer import (
-    AsyncBatches,
-    AsyncClient,
-    Batches,
-    ChatMessage,
-    Choice,
-    Client,
-    Event,
-    EventsTrimmed,
-    FinalEvent,
-    InvalidRequest,
-    JobConflict,
-    JobNotFound,
-    JobRecord,
-    JobRequest,
-    Keys,
-    NoWorker,
-    Overloaded,
-    PagedqError,
-    ResultTimeout,
-    Settings,
-    Status,
-    TokenEvent,
-    Usage,
-)
-from producer.cli import version as _version
+# The subpackages are the repository's top-level folders (producer/, worker/, ...), installed
+# inside this package by pyproject's package-dir. A checkout run without installing it
+# (PYTHONPATH=<checkout>, as on a GPU machine without pip) has them beside this folder, not
+# in it: then look there too. An installed pagedq holds them itself and skips this.
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if (not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "engine"))
+        and _os.path.isfile(_os.path.join(_checkout, "engine", "__init__.py"))
+        and _os.path.isfile(_os.path.join(_checkout, "pyproject.toml"))):
+    __path__.append(_checkout)
 
+# Every public name loads on first access: `import pagedq.engine` (a GPU machine without
+# redis) must not import the client, nor `import pagedq` the engine (torch).
 if TYPE_CHECKING:  # for editors and type checkers; at run time they load lazily
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-
-__version__ = _version()
+    from pagedq.engine.llm_engine import LLMEngine
+    from pagedq.engine.sampling_params import SamplingParams
+    from pagedq.producer import (
+        AsyncBatches,
+        AsyncClient,
+        Batches,
+        ChatMessage,
+        Choice,
+        Client,
+        Event,
+        EventsTrimmed,
+        FinalEvent,
+        InvalidRequest,
+        JobConflict,
+        JobNotFound,
+        JobRecord,
+        JobRequest,
+        Keys,
+        NoWorker,
+        Overloaded,
+        PagedqError,
+        ResultTimeout,
+        Settings,
+        Status,
+        TokenEvent,
+        Usage,
+    )
 
 __all__ = [
     "AsyncBatches", "AsyncClient", "Batches", "ChatMessage", "Choice", "Client", "Event",
@@ -57,17 +66,27 @@ __all__ = [
     "ResultTimeout", "SamplingParams", "Settings", "Status", "TokenEvent", "Usage",
     "__version__",
 ]
+# where each name lives: the engine's two (they import torch), else the client side
+_HOME = {**{name: "pagedq.producer" for name in __all__ if name != "__version__"},
+         "LLMEngine": "pagedq.engine.llm_engine",
+         "SamplingParams": "pagedq.engine.sampling_params"}
 
 
 def __getattr__(name: str) -> Any:
-    """``pagedq.LLMEngine`` / ``pagedq.SamplingParams``: the engine, imported on first use
-    (it imports torch)."""
-    if name == "LLMEngine":
-        from engine.llm_engine import LLMEngine
+    """The public names, imported on first use (``LLMEngine`` imports torch)."""
+    import importlib
 
-        return LLMEngine
-    if name == "SamplingParams":
-        from engine.sampling_params import SamplingParams
+    if name == "__version__":
+        from pagedq.producer.cli import version
 
-        return SamplingParams
-    raise AttributeError(f"module 'pagedq' has no attribute {name!r}")
+        value: Any = version()
+    elif name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name]), name)
+    else:
+        raise AttributeError(f"module 'pagedq' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

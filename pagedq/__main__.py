@@ -1,6 +1,6 @@
 """``python -m pagedq ...`` = the ``pagedq`` command."""
 import sys
 
-from worker.cli import main
+from pagedq.worker.cli import main
 
 sys.exit(main())

@@ -1,6 +1,6 @@
 """pagedq's client side. Never imports torch (a test asserts it).
 
-    from producer import Client
+    from pagedq.producer import Client
     with Client("redis://localhost:6379/0") as c:
         job = c.submit("Hello", max_tokens=32)
         for delta in c.stream_text(job):

@@ -94,8 +94,8 @@ def commands_of_scripts(names: tuple[str, ...]) -> tuple[str, ...]:
 @functools.cache
 def gateway_script_commands() -> tuple[str, ...]:
     """The commands of the gateway's scripts (admission and settling, gateway/apikeys.py:
-    stdlib and producer.keys only, no web framework)."""
-    from gateway.apikeys import ADMIT_LUA, SETTLE_LUA
+    stdlib and pagedq.producer.keys only, no web framework)."""
+    from pagedq.gateway.apikeys import ADMIT_LUA, SETTLE_LUA
     return tuple(sorted(script_commands(ADMIT_LUA) | script_commands(SETTLE_LUA)))
 
 

@@ -1,5 +1,5 @@
 """asyncio producer client (redis.asyncio): the same API and semantics as
-producer.client.Client, with coroutines and async iterators. The reading protocol lives
+pagedq.producer.client.Client, with coroutines and async iterators. The reading protocol lives
 in producer/reader.py and the request logic in producer/scripts.py; this file only does
 the I/O (awaiting the commands they ask for)."""
 from __future__ import annotations
@@ -56,7 +56,7 @@ class AsyncClient:
 
     async def _retry(self, call: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         """``await call(*args, **kwargs)``, repeated on connection-level failures; the
-        policy is producer.client.Backoff, as for Client (RedisUnusable at once too)."""
+        policy is pagedq.producer.client.Backoff, as for Client (RedisUnusable at once too)."""
         backoff, diagnosed = Backoff(self.settings.client_retry_s), False
         while True:
             try:

@@ -1,7 +1,7 @@
 """Client subcommands: submit, status, result, cancel.
 
 ``register(subparsers)`` adds them to a root parser (worker/cli.py's ``pagedq``, or
-``build_parser`` below for client-only use: ``python -m producer.cli``). ``--redis-url``
+``build_parser`` below for client-only use: ``python -m pagedq.producer.cli``). ``--redis-url``
 and ``--prefix`` are accepted before or after the subcommand; given in both places, the
 one after the subcommand wins. Unset (None) means "from Settings()", i.e. the environment
 (PAGEDQ_REDIS_URL, PAGEDQ_PREFIX) or the built-in default. Each subparser sets ``func`` =
@@ -46,7 +46,7 @@ from .exits import (  # noqa: F401 - the exit codes are this module's public nam
 from .schema import FinalEvent, FinishReason, JobRecord, JobRequest, Status, TokenEvent
 from .settings import Settings
 
-# The table above, for --help epilogs (pagedq, python -m producer.cli).
+# The table above, for --help epilogs (pagedq, python -m pagedq.producer.cli).
 EXIT_CODES_HELP = "exit codes of the client commands:\n" + __doc__.split(
     "Exit codes (of submit --wait/--stream, result, status and cancel):\n\n", 1)[1]
 
@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Client-only entry point: ``python -m producer.cli [--redis-url U] submit ...``."""
+    """Client-only entry point: ``python -m pagedq.producer.cli [--redis-url U] submit ...``."""
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse: usage error (2), --help/--version (0)

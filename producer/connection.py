@@ -50,7 +50,7 @@ from redis.exceptions import (
     NoPermissionError,
 )
 
-from producer import cluster_keys
+from pagedq.producer import cluster_keys
 
 from .settings import Settings
 
@@ -488,7 +488,7 @@ def is_cluster(r: Any) -> bool:
 
 def is_cluster_pubsub(ps: Any) -> bool:
     """Is ``ps`` a cluster client's pub/sub object (sync or asyncio)? It subscribes to
-    the scripts' shard channels (SSUBSCRIBE, producer.lua.sharded)."""
+    the scripts' shard channels (SSUBSCRIBE, pagedq.producer.lua.sharded)."""
     from redis.asyncio.cluster import ClusterPubSub as AsyncClusterPubSub
     from redis.cluster import ClusterPubSub
 

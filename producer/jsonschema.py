@@ -1,7 +1,7 @@
 """JSON Schemas of the wire models, for clients in other languages (docs/schema/).
 
-    python -m producer.jsonschema           # (re)write docs/schema/<Name>.schema.json
-    python -m producer.jsonschema --check   # exit 1, listing the files that differ
+    python -m pagedq.producer.jsonschema           # (re)write docs/schema/<Name>.schema.json
+    python -m pagedq.producer.jsonschema --check   # exit 1, listing the files that differ
 
 The files are generated from producer/schema.py (pydantic's ``model_json_schema()``) and
 checked by tests/test_docs.py: edit the models, then run the first command.
@@ -53,7 +53,7 @@ def write(directory: Path = SCHEMA_DIR) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m producer.jsonschema",
+    ap = argparse.ArgumentParser(prog="python -m pagedq.producer.jsonschema",
                                  description="Write or check docs/schema/*.schema.json.")
     ap.add_argument("--check", action="store_true",
                     help="write nothing; exit 1 if a file is missing or differs")
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         bad = stale(args.dir)
         for name in bad:
-            print(f"out of date: {args.dir / name} (run python -m producer.jsonschema)",
+            print(f"out of date: {args.dir / name} (run python -m pagedq.producer.jsonschema)",
                   file=sys.stderr)
         return 1 if bad else 0
     for name in write(args.dir):

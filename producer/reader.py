@@ -183,7 +183,7 @@ class JobHead(Command):
 @dataclass(frozen=True, slots=True)
 class Subscribe(Command):
     """``SUBSCRIBE chan`` on the pub/sub connection (``SSUBSCRIBE`` on a cluster's: there
-    the scripts publish with SPUBLISH, producer.lua.sharded)."""
+    the scripts publish with SPUBLISH, pagedq.producer.lua.sharded)."""
     chan: str
 
     def call(self, r: Any, ps: Any = None) -> Any:

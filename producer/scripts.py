@@ -47,7 +47,7 @@ class Scripts:
 
 def register(r: Any) -> Scripts:
     """Register the scripts on a sync or asyncio redis client (no round trip); on a
-    cluster client their sharded texts (SPUBLISH: producer.lua.sharded)."""
+    cluster client their sharded texts (SPUBLISH: pagedq.producer.lua.sharded)."""
     text = lua.sharded if is_cluster(r) else str
     return Scripts(submit=r.register_script(text(SUBMIT_LUA)),
                    cancel=r.register_script(text(CANCEL_LUA)),

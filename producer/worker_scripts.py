@@ -2,7 +2,7 @@
 expire_unserved}.lua), built in one place with typed arguments, so the worker never
 lists them inline and a script's contract is written next to its header only once more.
 
-Each function returns a ``Call`` (KEYS, ARGV) for ``worker.lua.Script(...)(*call)``. Like
+Each function returns a ``Call`` (KEYS, ARGV) for ``pagedq.worker.lua.Script(...)(*call)``. Like
 the producer's calls (producer/scripts.py), keys come from producer/keys.py.
 """
 from __future__ import annotations

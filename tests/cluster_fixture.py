@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from worker.redis_server import RedisServer, ServerTls, free_port
+from pagedq.worker.redis_server import RedisServer, ServerTls, free_port
 
 SLOTS = 16384
 

@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import redis  # noqa: E402
 
-from worker.redis_server import RedisServer  # noqa: E402
+from pagedq.worker.redis_server import RedisServer  # noqa: E402
 
 pytest_plugins = ["tests.model_fixtures", "tests.tiny_service"]
 

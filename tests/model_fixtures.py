@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.batch import ScheduledBatch
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pagedq.engine.batch import ScheduledBatch
+from pagedq.engine.config import EngineConfig
+from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.sequence import Sequence
 
 TINY_VOCAB = 512
 TINY_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -93,7 +93,7 @@ def load_hf(folder: Path):
     """The transformers reference model from a folder, float32, eval."""
     from transformers import AutoModelForCausalLM
 
-    from engine.loader import quiet_transformers
+    from pagedq.engine.loader import quiet_transformers
     with quiet_transformers():
         return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
@@ -123,7 +123,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_runner():
     """The real SmolLM2-135M through ModelRunner, float32 on CPU, loaded once per session."""
-    from engine.model_runner import ModelRunner
+    from pagedq.engine.model_runner import ModelRunner
     return ModelRunner("smollm2", EngineConfig(device="cpu", dtype="float32", num_kv_blocks=128,
                                                max_model_len=1024))
 
@@ -131,7 +131,7 @@ def smollm2_runner():
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_runner):
     """transformers' LlamaForCausalLM on the same cached (dequantized) weights, float32."""
-    from engine.loader import hf_folder
+    from pagedq.engine.loader import hf_folder
     return load_hf(hf_folder(smollm2_runner.source))
 
 

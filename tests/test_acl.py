@@ -19,22 +19,22 @@ import httpx
 import pytest
 import redis
 
-from gateway import apikeys
-from producer import AsyncClient, Client, acl, lua
-from producer.batch import Batches, BatchSettings
-from producer.cli import main as cli_main
-from producer.errors import JobNotFound
-from producer.invariants import queue_counters
-from producer.keys import GROUP, Keys
-from producer.scripts import CANCEL_LUA, cancel_call
-from producer.settings import Settings
+from pagedq.gateway import apikeys
+from pagedq.producer import AsyncClient, Client, acl, lua
+from pagedq.producer.batch import Batches, BatchSettings
+from pagedq.producer.cli import main as cli_main
+from pagedq.producer.errors import JobNotFound
+from pagedq.producer.invariants import queue_counters
+from pagedq.producer.keys import GROUP, Keys
+from pagedq.producer.scripts import CANCEL_LUA, cancel_call
+from pagedq.producer.settings import Settings
+from pagedq.worker.redis_server import RedisServer
+from pagedq.worker.tenants import fair_take, rotated
 from tests.model_fixtures import make_tiny_chat_model
 from tests.test_batch_e2e import RqWorker, until
 from tests.test_gateway import CHAT, Gateway
 from tests.tiny_service import MODEL
 from tests.worker_proc import ROOT, WorkerProc
-from worker.redis_server import RedisServer
-from worker.tenants import fair_take, rotated
 
 T1, T2 = "acl1", "acl2"  # the tenants' prefixes
 NON_ADMIN = [f"producer-{T1}", f"reader-{T1}", f"batch-{T1}", "worker", "gateway"]
@@ -398,7 +398,7 @@ def test_batch_user_runs_a_batch_through_a_real_rq_worker(env, tmp_path):
                   {**env.user_env(user), "PAGEDQ_BATCH_QUEUE": "acl-batch"})
     rq.name, rq._log = f"rq-{os.urandom(4).hex()}", open(rq.log_path, "ab")
     rq.proc = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "--redis-url", env.srv.url, "batch", "worker",
+        [sys.executable, "-m", "pagedq.worker.cli", "--redis-url", env.srv.url, "batch", "worker",
          "--prefix", T1, "--name", rq.name], stdout=rq._log, stderr=subprocess.STDOUT,
         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **rq.env})
     adm = env.raw("admin")

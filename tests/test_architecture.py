@@ -14,48 +14,77 @@ def _run(code: str) -> None:
                    env={**os.environ, "PYTHONPATH": ROOT})
 
 
-def test_producer_and_cli_client_path_do_not_import_torch():
-    _run("import sys, producer, producer.client, producer.aio, producer.cli, worker.cli\n"
-         "worker.cli.build_parser()\n"
-         "bad = [m for m in ('torch', 'engine', 'transformers') if m in sys.modules]\n"
+PACKAGES = ("producer", "worker", "engine", "kernels", "gateway")  # folders of pagedq.<name>
+
+
+def _loaded(code: str, *, prefixes: tuple[str, ...]) -> None:
+    """Runs `code`, then fails if any module under one of `prefixes` was imported, or any
+    top-level module named like one of pagedq's folders (a stray `import engine` would load
+    a second copy of the package from the checkout)."""
+    _run(code + "\nimport sys\n"
+         f"bad = [m for m in sys.modules if m.split('.')[0] in {PACKAGES!r} or any("
+         f"m == p or m.startswith(p + '.') for p in {prefixes!r})]\n"
          "assert not bad, bad")
+
+
+def test_producer_and_cli_client_path_do_not_import_torch():
+    _loaded("import pagedq, pagedq.producer.client, pagedq.producer.aio, pagedq.producer.cli\n"
+            "import pagedq.worker.cli\npagedq.worker.cli.build_parser()",
+            prefixes=("torch", "pagedq.engine", "transformers"))
 
 
 def test_gateway_imports_producer_only():
     """The gateway (FastAPI app, CLI, every module) never imports torch, the engine or the
-    worker; `pagedq -h` (worker.cli's parser, which registers `pagedq gateway`) imports no
-    web framework."""
-    _run("import sys, pkgutil, importlib, gateway\n"
-         "for m in pkgutil.iter_modules(gateway.__path__):\n"
-         "    importlib.import_module('gateway.' + m.name)\n"
-         "gateway.app.create_app()\n"
-         "bad = [m for m in sys.modules if m.split('.')[0] in "
-         "('torch', 'engine', 'worker', 'transformers')]\n"
-         "assert not bad, bad")
-    _run("import sys, worker.cli\nworker.cli.build_parser()\n"
-         "bad = [m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules]\n"
-         "assert not bad, bad")
+    worker; `pagedq -h` (pagedq.worker.cli's parser, which registers `pagedq gateway`)
+    imports no web framework."""
+    _loaded("import pkgutil, importlib, pagedq.gateway\n"
+            "for m in pkgutil.iter_modules(pagedq.gateway.__path__):\n"
+            "    importlib.import_module('pagedq.gateway.' + m.name)\n"
+            "pagedq.gateway.app.create_app()",
+            prefixes=("torch", "pagedq.engine", "pagedq.worker", "transformers"))
+    _loaded("import pagedq.worker.cli\npagedq.worker.cli.build_parser()",
+            prefixes=("fastapi", "starlette", "uvicorn"))
 
 
 def test_engine_never_imports_redis():
-    _run("import sys, engine.llm_engine, engine.block_manager, engine.scheduler\n"
-         "assert 'redis' not in sys.modules and 'producer' not in sys.modules\n"
-         "assert 'worker' not in sys.modules")
+    _loaded("import pagedq.engine.llm_engine, pagedq.engine.block_manager\n"
+            "import pagedq.engine.scheduler",
+            prefixes=("redis", "pagedq.producer", "pagedq.worker"))
 
 
 def test_scheduler_and_block_manager_do_not_import_torch():
-    _run("import sys, engine.scheduler, engine.block_manager\nassert 'torch' not in sys.modules")
+    _loaded("import pagedq.engine.scheduler, pagedq.engine.block_manager", prefixes=("torch",))
 
 
 def test_kernels_import_nothing_from_engine():
     for name in os.listdir(os.path.join(ROOT, "kernels")):
         if name.endswith(".py"):
             src = open(os.path.join(ROOT, "kernels", name)).read()
-            assert not re.search(r"^\s*(from|import)\s+engine\b", src, re.M), name
+            assert not re.search(r"^\s*(from|import)\s+pagedq\.engine\b", src, re.M), name
+
+
+def test_every_import_of_the_project_goes_through_pagedq():
+    """Sources, tests and benches import pagedq.<package>, never the bare folder name (which
+    works only from a checkout, and would load a second copy of the module there)."""
+    bare = re.compile(rf"^\s*(from|import)\s+({'|'.join(PACKAGES)})\b", re.M)
+    found = []
+    for dirpath, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                found += [f"{os.path.relpath(path, ROOT)}: {m.group(0).strip()}"
+                          for m in bare.finditer(open(path).read())]
+    assert not found, found
 
 
 def test_transformers_does_not_mistake_our_kernels_package_for_hub_kernels():
-    _run("import kernels\nassert not hasattr(kernels, '__version__')\n"
+    """transformers probes for an importable `kernels` (Hugging Face's hub-kernels): pagedq
+    installs none, and the checkout's own kernels/ folder (importable from its root) has no
+    __version__ for the probe to read."""
+    _run("import kernels, pagedq.kernels\n"
+         "assert not hasattr(kernels, '__version__')\n"
+         "assert not hasattr(pagedq.kernels, '__version__')\n"
          "from transformers.utils import is_kernels_available\n"
          "assert is_kernels_available() is False")
 
@@ -66,7 +95,7 @@ def _project_imports() -> dict[str, set[str]]:
     import ast
 
     graph: dict[str, set[str]] = {}
-    for pkg in ("pagedq", "producer", "worker", "engine", "kernels", "gateway"):
+    for pkg in ("pagedq", *PACKAGES):
         for dirpath, _dirs, files in os.walk(os.path.join(ROOT, pkg)):
             for name in files:
                 if not name.endswith(".py"):
@@ -74,6 +103,7 @@ def _project_imports() -> dict[str, set[str]]:
                 path = os.path.join(dirpath, name)
                 mod = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
                 mod = mod.removesuffix(".__init__")
+                mod = mod if pkg == "pagedq" else "pagedq." + mod
                 pkg_of = mod if name == "__init__.py" else mod.rpartition(".")[0]
                 deps = graph.setdefault(mod, set())
                 for node in ast.walk(ast.parse(open(path).read())):
@@ -92,7 +122,7 @@ def _project_imports() -> dict[str, set[str]]:
 
 def test_no_import_circles_between_project_modules():
     graph = _project_imports()
-    assert "worker.service" in graph and "worker.intake" in graph["worker.service"]
+    assert "pagedq.worker.service" in graph and "pagedq.worker.intake" in graph["pagedq.worker.service"]
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
     circles = []
 

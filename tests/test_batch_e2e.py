@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.batch import Batches, BatchSettings
-from producer.batch.lines import job_id
-from producer.cli import main as client_main
-from producer.settings import Settings
+from pagedq.producer.batch import Batches, BatchSettings
+from pagedq.producer.batch.lines import job_id
+from pagedq.producer.cli import main as client_main
+from pagedq.producer.settings import Settings
+from pagedq.worker.redis_server import RedisServer
 from tests.model_fixtures import make_tiny_chat_model
 from tests.tiny_service import MODEL
 from tests.waiting import until
 from tests.worker_proc import ROOT, WorkerProc
-from worker.redis_server import RedisServer
 
 PREFIX = "rel"  # tests/tiny_service.py's
 # at the service's 0.02 s a step, a round of LONG_TOKENS-token jobs takes over 0.3 s
@@ -47,7 +47,7 @@ class RqWorker:
 
     def start(self) -> RqWorker:
         self.name = f"rq-{os.urandom(4).hex()}"
-        cmd = [sys.executable, "-m", "worker.cli", "--redis-url", self.url, "batch", "worker",
+        cmd = [sys.executable, "-m", "pagedq.worker.cli", "--redis-url", self.url, "batch", "worker",
                "--prefix", PREFIX, "--name", self.name]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -390,8 +390,8 @@ def test_ingest_killed_mid_fan_out_and_restarted_loses_and_doubles_nothing(env, 
 def test_async_api_and_bad_input(env, tmp_path):
     import asyncio
 
-    from producer.batch import AsyncBatches
-    from producer.errors import InvalidRequest
+    from pagedq.producer.batch import AsyncBatches
+    from pagedq.producer.errors import InvalidRequest
 
     src = tmp_path / "in.jsonl"
     valid, _ = write_input(src, 10, bad=False)

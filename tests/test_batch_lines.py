@@ -6,11 +6,19 @@ import json
 
 import pytest
 
-from producer.batch import files as F
-from producer.batch.lines import Line, LineError, Validator, job_id, parse, read_lines, request
-from producer.batch.record import Batch
-from producer.batch.settings import window_seconds
-from producer.batch.shape import invalid_line, outcome
+from pagedq.producer.batch import files as F
+from pagedq.producer.batch.lines import (
+    Line,
+    LineError,
+    Validator,
+    job_id,
+    parse,
+    read_lines,
+    request,
+)
+from pagedq.producer.batch.record import Batch
+from pagedq.producer.batch.settings import window_seconds
+from pagedq.producer.batch.shape import invalid_line, outcome
 
 B, M = "batch_x", "tiny"
 
@@ -185,7 +193,7 @@ def test_invalid_lines_are_keyed_by_line_not_custom_id():
 
 
 def test_copy_input_enforces_the_limits(tmp_path):
-    from producer.errors import InvalidRequest
+    from pagedq.producer.errors import InvalidRequest
 
     src = tmp_path / "in.jsonl"
     src.write_bytes(b"a\n\nb\n")

@@ -5,10 +5,10 @@ import itertools
 
 import pytest
 
-import engine.block_manager as bm_mod
-from engine.block_manager import ROOT_HASH, BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+import pagedq.engine.block_manager as bm_mod
+from pagedq.engine.block_manager import ROOT_HASH, BlockManager
+from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.sequence import Sequence
 
 _ids = itertools.count()
 

@@ -22,9 +22,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pagedq.engine.block_manager import BlockManager
+from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.sequence import Sequence
 
 _ids = itertools.count()
 tokens_st = st.lists(st.integers(0, 1), min_size=1, max_size=10)  # small alphabet: shared prefixes

@@ -14,12 +14,12 @@ import time
 import pytest
 import redis
 
-from producer import Client
-from producer.schema import FinalEvent
-from producer.settings import Settings
+from pagedq.producer import Client
+from pagedq.producer.schema import FinalEvent
+from pagedq.producer.settings import Settings
+from pagedq.worker.redis_server import RedisServer
 from tests.model_fixtures import make_tiny_model
 from tests.worker_proc import WorkerProc
-from worker.redis_server import RedisServer
 
 ENV = {"PAGEDQ_LEASE_S": "1.5", "PAGEDQ_HEARTBEAT_TTL_S": "3",
        "PAGEDQ_FAILPOINTS": "step_sleep_s=0.02", "PAGEDQ_MAX_DELIVERIES": "20"}

@@ -14,12 +14,12 @@ import uuid
 
 import pytest
 
-import worker.metrics
-from producer import Client
+import pagedq.worker.metrics
+from pagedq.producer import Client
+from pagedq.worker import cli as worker_cli
+from pagedq.worker.cli import EXIT_CONFIG, build_parser, main, settings_from
 from tests.test_cli_client import options_without_default, parsers
 from tests.worker_proc import ROOT
-from worker import cli as worker_cli
-from worker.cli import EXIT_CONFIG, build_parser, main, settings_from
 
 DEAD = "redis://127.0.0.1:1/0"  # nothing listens: a worker that got this far would fail
 
@@ -27,7 +27,7 @@ DEAD = "redis://127.0.0.1:1/0"  # nothing listens: a worker that got this far wo
 def pagedq(*argv: str, env: dict[str, str] | None = None,
            timeout: float = 120) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDQ_")}
-    return subprocess.run([sys.executable, "-m", "worker.cli", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pagedq.worker.cli", *argv], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT,
                           env={**clean, "PYTHONPATH": ROOT, **(env or {})})
 
@@ -166,7 +166,7 @@ def test_every_option_help_states_its_default():
 
 
 def test_engine_defaults_in_help_match_engine_config():
-    from engine.config import EngineConfig
+    from pagedq.engine.config import EngineConfig
 
     cfg = EngineConfig()
     w = next(sp for sp in parsers(build_parser()) if sp.prog == "pagedq worker")
@@ -198,7 +198,7 @@ def test_metrics_host_setting_and_binding(monkeypatch):
     monkeypatch.delenv("PAGEDQ_METRICS_HOST", raising=False)
     assert settings_from(build_parser().parse_args(["worker"])).metrics_host == "127.0.0.1"
 
-    m = worker.metrics.Metrics()
+    m = pagedq.worker.metrics.Metrics()
     port = m.serve(0)  # loopback by default, a real HTTP server
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         assert resp.status == 200 and b"pagedq:" in resp.read()

@@ -6,9 +6,9 @@ import asyncio
 import threading
 import time
 
-from producer import AsyncClient
-from producer.keys import out_entry_id
-from producer.schema import final_fields, token_fields
+from pagedq.producer import AsyncClient
+from pagedq.producer.keys import out_entry_id
+from pagedq.producer.schema import final_fields, token_fields
 
 
 def test_async_client_streams_150_jobs_at_once(redis_server, r):

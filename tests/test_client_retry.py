@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import redis
 
-from producer import AsyncClient, Client, FinalEvent, Settings, TokenEvent
-from producer.client import RETRY_CAP_S, RETRY_FIRST_S, RETRYABLE, Backoff
-from producer.keys import Keys, out_entry_id
-from producer.schema import JobRecord, final_fields, token_fields
-from worker.redis_server import RedisServer, free_port
+from pagedq.producer import AsyncClient, Client, FinalEvent, Settings, TokenEvent
+from pagedq.producer.client import RETRY_CAP_S, RETRY_FIRST_S, RETRYABLE, Backoff
+from pagedq.producer.keys import Keys, out_entry_id
+from pagedq.producer.schema import JobRecord, final_fields, token_fields
+from pagedq.worker.redis_server import RedisServer, free_port
 
 MODEL = "m1"
 # how long Redis stays down: far below the default 30 s retry budget, and long enough

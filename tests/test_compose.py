@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -29,13 +30,13 @@ import pytest
 import redis
 import yaml
 
-from producer import Client
-from producer.batch.settings import BatchSettings
-from producer.settings import Settings
+from pagedq.producer import Client
+from pagedq.producer.batch.settings import BatchSettings
+from pagedq.producer.settings import Settings
+from pagedq.worker.cli import build_parser
+from pagedq.worker.names import served_name
+from pagedq.worker.redis_server import free_port
 from tests.waiting import until
-from worker.cli import build_parser
-from worker.names import served_name
-from worker.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -259,7 +260,7 @@ def _known_env() -> set[str]:
     names = {f"PAGEDQ_{n.upper()}" for cls in (Settings, BatchSettings)
              for n in cls.model_fields}
     try:  # the worker's own settings (model, engine), where this tree has them
-        from worker.settings import WorkerSettings
+        from pagedq.worker.settings import WorkerSettings
     except ImportError:
         pass
     else:
@@ -382,16 +383,21 @@ def test_dockerfile_variants_user_healthchecks_and_copies():
     assert users == ["pagedq"], users
     assert any(i == "RUN" and "useradd" in a and "--uid 10001" in a for i, a in st["base"])
     assert ("ENTRYPOINT", '["pagedq"]') in st["final"]
-    for stage, probe in (("cpu", "worker.healthcheck"), ("gpu", "worker.healthcheck"),
-                         ("client", "producer.batch.healthcheck")):
+    for stage, probe in (("cpu", "pagedq.worker.healthcheck"), ("gpu", "pagedq.worker.healthcheck"),
+                         ("client", "pagedq.producer.batch.healthcheck")):
         (hc,) = [a for i, a in st[stage] if i == "HEALTHCHECK"]
         assert hc.endswith(f'CMD ["python", "-m", "{probe}"]'), hc
+    copied = set()
     for i, a in st["final"]:
         if i == "COPY":
             *srcs, _dst = a.split()
+            copied.update(srcs)
             for src in srcs:
                 assert (ROOT / src).exists(), src
                 assert not dockerignored(src), f"{src} is in .dockerignore"
+    # every folder the distribution installs (pagedq, and pagedq.<name> from <name>/)
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert {"pagedq", *tool["package-dir"].values()} <= copied, copied
     # compose builds the same variants
     svcs = compose()["services"]
     assert {svcs[n]["build"]["args"]["VARIANT"] for n in ("worker", "worker-cpu",
@@ -442,7 +448,7 @@ class Stack:
 
     def start_redis(self) -> None:
         acl_file = self.tmp / "users.acl"
-        res = subprocess.run([sys.executable, "-m", "worker.cli", "acl", "--secrets-dir",
+        res = subprocess.run([sys.executable, "-m", "pagedq.worker.cli", "acl", "--secrets-dir",
                               str(self.secrets), "--default-user", "ping", "-o", str(acl_file)],
                              cwd=ROOT, capture_output=True, text=True, timeout=60,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -494,7 +500,7 @@ class Stack:
         """``pagedq ARGS`` (the image's ENTRYPOINT) with ``env``; output in a log file."""
         log = Path(tempfile.mktemp(prefix="pagedq-compose-", suffix=".log", dir=self.tmp))
         with open(log, "wb") as f:
-            p = subprocess.Popen([sys.executable, "-m", "worker.cli", *args], cwd=ROOT,
+            p = subprocess.Popen([sys.executable, "-m", "pagedq.worker.cli", *args], cwd=ROOT,
                                  stdout=f, stderr=subprocess.STDOUT,
                                  env={**os.environ, "PYTHONPATH": str(ROOT), **env})
         self.procs.append(p)

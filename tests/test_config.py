@@ -20,13 +20,10 @@ import pytest
 import redis
 from pydantic import SecretStr
 
-from producer import Client
-from producer.settings import Settings
-from tests.test_cli_client import parsers
-from tests.test_cli_worker import DEAD, config_error, pagedq
-from tests.worker_proc import ROOT
-from worker.cli import build_parser, main
-from worker.config import (
+from pagedq.producer import Client
+from pagedq.producer.settings import Settings
+from pagedq.worker.cli import build_parser, main
+from pagedq.worker.config import (
     FLAGGED,
     ConfigError,
     env_name,
@@ -36,8 +33,11 @@ from worker.config import (
     service_fields,
     yaml_keys,
 )
-from worker.config_show import _text
-from worker.settings import ENGINE_FIELDS, WorkerSettings
+from pagedq.worker.config_show import _text
+from pagedq.worker.settings import ENGINE_FIELDS, WorkerSettings
+from tests.test_cli_client import parsers
+from tests.test_cli_worker import DEAD, config_error, pagedq
+from tests.worker_proc import ROOT
 
 DOC = Path(ROOT) / "docs" / "configuration.md"
 EXAMPLE = Path(ROOT) / "docs" / "worker.example.yaml"
@@ -137,7 +137,7 @@ def test_sections_cover_every_setting_once():
 
 
 def test_engine_settings_mirror_engine_config():
-    from engine.config import EngineConfig
+    from pagedq.engine.config import EngineConfig
 
     fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     assert set(ENGINE_FIELDS) == set(fields)
@@ -298,7 +298,7 @@ def test_pagedq_config_json_shows_every_setting_and_its_source(tmp_path):
 
 
 def test_pagedq_config_never_shows_a_password(monkeypatch):
-    from worker.config_show import render
+    from pagedq.worker.config_show import render
 
     monkeypatch.setenv("PAGEDQ_REDIS_PASSWORD", "s3cret-pw")
     cfg = resolved()
@@ -318,7 +318,7 @@ def test_a_bad_password_value_is_not_echoed(tmp_path, capsys):
 
 def test_pagedq_config_table_and_no_torch(tmp_path):
     f = write(tmp_path, "cache:\n  block_size: 64\n")
-    code = ("import sys\nfrom worker.cli import main\n"
+    code = ("import sys\nfrom pagedq.worker.cli import main\n"
             f"rc = main(['config', '--config', {f!r}, '--max-num-seqs', '3'])\n"
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
             "assert rc == 0 and not bad, (rc, bad)")
@@ -403,7 +403,7 @@ def file_worker(tmp_path_factory, tiny_dir, shared_redis_server):
     env.update(PYTHONPATH=ROOT, PAGEDQ_FAILPOINTS="step_sleep_s=0.03")
     log_path = d / "worker.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker", "--config",
+        proc = subprocess.Popen([sys.executable, "-m", "pagedq.worker.cli", "worker", "--config",
                                  str(path)], stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=ROOT)
     r = redis.Redis.from_url(shared_redis_server.url, decode_responses=True)

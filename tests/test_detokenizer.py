@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from engine.detokenizer import IncrementalDetokenizer, OutputStream, StopChecker
-from engine.sampling_params import SamplingParams
+from pagedq.engine.detokenizer import IncrementalDetokenizer, OutputStream, StopChecker
+from pagedq.engine.sampling_params import SamplingParams
 
 TEXTS = [
     "Hello, world! This is a plain ASCII sentence.",

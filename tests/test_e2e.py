@@ -9,12 +9,12 @@ import urllib.request
 
 import pytest
 
-from producer import Client
-from producer.errors import InvalidRequest
-from producer.keys import GROUP
+from pagedq.producer import Client
+from pagedq.producer.errors import InvalidRequest
+from pagedq.producer.keys import GROUP
+from pagedq.worker.redis_server import free_port
 from tests.waiting import until
 from tests.worker_proc import WorkerProc
-from worker.redis_server import free_port
 
 PROMPTS = ["What is the capital of France?", "Count from one to five.", "Say hi.",
            "Write one sentence about cats.", "What is 2+2?", "Name a color.",

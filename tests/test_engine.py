@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
+from pagedq.engine import LLMEngine, SamplingParams
 from tests.model_fixtures import hf_choices, load_hf
 
 G = dict(temperature=0.0, ignore_eos=True)

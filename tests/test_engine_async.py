@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine import LLMEngine, SamplingParams
-from engine.pipeline import PLACEHOLDER
+from pagedq.engine import LLMEngine, SamplingParams
+from pagedq.engine.pipeline import PLACEHOLDER
 
 
 def make(folder, async_scheduling: bool, **cfg) -> LLMEngine:

@@ -12,14 +12,14 @@ import uuid
 
 import pytest
 
-from producer import Client
-from producer.errors import NoWorker
-from producer.invariants import queue_counters
-from producer.schema import TokenEvent
-from producer.settings import Settings
+from pagedq.producer import Client
+from pagedq.producer.errors import NoWorker
+from pagedq.producer.invariants import queue_counters
+from pagedq.producer.schema import TokenEvent
+from pagedq.producer.settings import Settings
+from pagedq.worker.fatal import EXIT_FAULT
 from tests.test_reliability import check_consistent, gen
 from tests.tiny_service import MODEL
-from worker.fatal import EXIT_FAULT
 
 
 @pytest.mark.parametrize("thread", ["intake", "intake_read", "engine", "publisher",

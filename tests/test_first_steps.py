@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from producer import Client
+from pagedq.producer import Client
+from pagedq.worker.redis_server import RedisServer
+from pagedq.worker.startup import StartReporter, parse_line
 from tests.tiny_service import MODEL
 from tests.worker_proc import ROOT, WorkerProc
-from worker.redis_server import RedisServer
-from worker.startup import StartReporter, parse_line
 
 PREFIX = "first"
 
@@ -34,7 +34,7 @@ def service(tiny_dir):
 
 def pagedq(srv, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDQ_")}
-    return subprocess.run([sys.executable, "-m", "worker.cli", "--redis-url", srv.url,
+    return subprocess.run([sys.executable, "-m", "pagedq.worker.cli", "--redis-url", srv.url,
                            "--prefix", PREFIX, *argv], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env={**env, "PYTHONPATH": ROOT})
 
@@ -110,7 +110,7 @@ def test_watch_live_view_through_a_terminal(service):
 
     srv, _w, c = service
     job = c.submit("hello live", max_tokens=16, temperature=0, ignore_eos=True)
-    child = pexpect.spawn(sys.executable, ["-m", "worker.cli", "--redis-url", srv.url,
+    child = pexpect.spawn(sys.executable, ["-m", "pagedq.worker.cli", "--redis-url", srv.url,
                                            "--prefix", PREFIX, "watch", job],
                           cwd=ROOT, env=_env(), dimensions=(ROWS, COLS), timeout=120)
     raw = child.read()

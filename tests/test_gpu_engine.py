@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
-from engine.llm_engine import PREFILL_WAIT_STEPS
+from pagedq.engine import LLMEngine, SamplingParams
+from pagedq.engine.llm_engine import PREFILL_WAIT_STEPS
 from tests.test_engine import run
 
 pytestmark = [pytest.mark.gpu,

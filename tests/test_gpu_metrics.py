@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 import torch
 
-from worker.health import SERVING, Health
-from worker.metrics import Metrics
+from pagedq.worker.health import SERVING, Health
+from pagedq.worker.metrics import Metrics
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

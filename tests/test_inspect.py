@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from producer import Client
-from producer.cli import main
-from producer.dlq import (
+from pagedq.producer import Client
+from pagedq.producer.cli import main
+from pagedq.producer.dlq import (
     BODY_CHARS,
     DLQ_ENTRY,
     REQUEUED_FROM,
@@ -26,11 +26,11 @@ from producer.dlq import (
     read,
     request_of,
 )
-from producer.scripts import req_hash, validate_request
-from producer.settings import Settings
+from pagedq.producer.scripts import req_hash, validate_request
+from pagedq.producer.settings import Settings
+from pagedq.worker.redis_server import RedisServer
 from tests.tiny_service import MODEL
 from tests.worker_proc import ROOT, WorkerProc
-from worker.redis_server import RedisServer
 
 PREFIX = "insp"
 BASE_ENV = {"PAGEDQ_LEASE_S": "2", "PAGEDQ_HEARTBEAT_TTL_S": "3",
@@ -240,7 +240,7 @@ def test_requeue_refuses_damaged_entries_and_bad_input(svc, capsys):
 
 
 def test_watch_prints_a_document_per_interval_until_interrupted(svc):
-    p = subprocess.Popen([sys.executable, "-m", "producer.cli", "inspect", "--json", "--watch",
+    p = subprocess.Popen([sys.executable, "-m", "pagedq.producer.cli", "inspect", "--json", "--watch",
                           "0.2", "--redis-url", svc.url, "--prefix", PREFIX],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, text=True)
     try:
@@ -253,7 +253,7 @@ def test_watch_prints_a_document_per_interval_until_interrupted(svc):
 
 
 def test_worker_cli_registers_the_admin_commands():
-    from worker.cli import build_parser
+    from pagedq.worker.cli import build_parser
     args = build_parser().parse_args(["dlq", "requeue", "--all", "--model", "m", "--prefix", "x"])
     assert (args.all, args.model, args.prefix) == (True, "m", "x")
     assert build_parser().parse_args(["inspect", "--watch"]).watch == 2.0
@@ -296,5 +296,5 @@ def test_requeue_request_and_ids():
 
 
 def test_body_chars_agree_with_the_worker():
-    from worker.intake import DLQ_BODY_CHARS
+    from pagedq.worker.intake import DLQ_BODY_CHARS
     assert BODY_CHARS == DLQ_BODY_CHARS

@@ -2,15 +2,15 @@
 its reader thread, and no lower lane is read while a higher one may hold more."""
 from __future__ import annotations
 
-from producer import Client, JobRequest
-from producer.settings import Settings
-from worker.intake import BUSY_ADMIT_MAX
-from worker.service import Worker
+from pagedq.producer import Client, JobRequest
+from pagedq.producer.settings import Settings
+from pagedq.worker.intake import BUSY_ADMIT_MAX
+from pagedq.worker.service import Worker
 
 
 def test_a_busy_worker_admits_a_burst_in_bounded_polls_higher_lane_first(redis_server,
                                                                            tiny_dir):
-    from engine.llm_engine import LLMEngine
+    from pagedq.engine.llm_engine import LLMEngine
     engine = LLMEngine(tiny_dir, device="cpu", dtype="float32", max_num_seqs=256,
                        num_kv_blocks=4096, block_size=8)
     s = Settings(redis_url=redis_server.url, prefix="t", model="m")

@@ -22,16 +22,16 @@ if not CUDA:
 triton = pytest.importorskip("triton")
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
-import kernels.activation as act  # noqa: E402
-import kernels.decode_attention as dec  # noqa: E402
-import kernels.norm as norm  # noqa: E402
-import kernels.prefill_attention as pre  # noqa: E402
-import kernels.rope_store as rs  # noqa: E402
-import kernels.rotary as rot  # noqa: E402
-import kernels.sampling as samp  # noqa: E402
-import kernels.store_kvcache as store  # noqa: E402
-from kernels import reference as R  # noqa: E402
-from kernels.layout import transposed_view  # noqa: E402
+import pagedq.kernels.activation as act  # noqa: E402
+import pagedq.kernels.decode_attention as dec  # noqa: E402
+import pagedq.kernels.norm as norm  # noqa: E402
+import pagedq.kernels.prefill_attention as pre  # noqa: E402
+import pagedq.kernels.rope_store as rs  # noqa: E402
+import pagedq.kernels.rotary as rot  # noqa: E402
+import pagedq.kernels.sampling as samp  # noqa: E402
+import pagedq.kernels.store_kvcache as store  # noqa: E402
+from pagedq.kernels import reference as R  # noqa: E402
+from pagedq.kernels.layout import transposed_view  # noqa: E402
 
 if INTERP:
     from triton.runtime.interpreter import InterpretedFunction

@@ -9,10 +9,10 @@ import itertools
 import pytest
 import torch
 
-from engine.layers import ops
-from kernels import cpu as C
-from kernels import reference as R
-from kernels.layout import transposed_view
+from pagedq.engine.layers import ops
+from pagedq.kernels import cpu as C
+from pagedq.kernels import reference as R
+from pagedq.kernels.layout import transposed_view
 
 F32, BF, FP8 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
 
@@ -231,7 +231,7 @@ def test_gumbel_argmax_picks_the_twins_token(rows, vocab, pad, dtype, greedy_eve
 
 def test_gumbel_argmax_scores_a_tile_as_the_twin_bit_for_bit():
     """One tile, one thread's loops: every op is the twin's, in its order and precision."""
-    from kernels import cpu_sampling as S
+    from pagedq.kernels import cpu_sampling as S
     x, t, keys = gumbel_case(6, 4096, 0, BF, seed=3, greedy_every=0)
     z, u = (torch.empty(6, 4096, dtype=torch.int64) for _ in range(2))
     e, s = (torch.empty(6, 4096) for _ in range(2))

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from engine.scoring import next_token_logprobs
+from pagedq.engine.config import EngineConfig
+from pagedq.engine.model_runner import ModelRunner
+from pagedq.engine.scoring import next_token_logprobs
 
 TEXT = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
 

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from producer.errors import InvalidRequest, Overloaded
-from producer.invariants import queue_counters
-from producer.keys import GROUP
+from pagedq.producer.errors import InvalidRequest, Overloaded
+from pagedq.producer.invariants import queue_counters
+from pagedq.producer.keys import GROUP
+from pagedq.worker.lanes import engine_priority, floor_seats, rooms
 from tests.tiny_service import MODEL
-from worker.lanes import engine_priority, floor_seats, rooms
 
 
 def started_order(c, ids: list[str]) -> list[str]:
@@ -138,7 +138,7 @@ def test_a_dead_workers_batch_jobs_are_taken_over(svc):
 def test_worker_lane_flags_and_the_submit_cli_lane_and_priority(svc, monkeypatch, capsys):
     """--lanes, --lane-min-share and --scheduling-policy on a real worker; pagedq submit
     --lane/--priority through the CLI onto a lane only this deployment has."""
-    from producer.cli import main
+    from pagedq.producer.cli import main
 
     w = svc.worker(extra=["--lanes", "urgent,interactive,batch", "--lane-min-share", "0.5",
                           "--scheduling-policy", "fcfs"])

@@ -5,8 +5,8 @@ import gc
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from worker.gc_pauses import GcPauses
-from worker.metrics import observe_many
+from pagedq.worker.gc_pauses import GcPauses
+from pagedq.worker.metrics import observe_many
 
 BUCKETS = (0.001, 0.005, 0.01, 0.1)
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-import engine.loader as loader
-from engine.config import EngineConfig
-from engine.layers.rotary import rope_params
-from engine.model_runner import ModelRunner
-from engine.models import get_model_class
-from engine.piecewise import SIZES, piece_sizes
+import pagedq.engine.loader as loader
+from pagedq.engine.config import EngineConfig
+from pagedq.engine.layers.rotary import rope_params
+from pagedq.engine.model_runner import ModelRunner
+from pagedq.engine.models import get_model_class
+from pagedq.engine.piecewise import SIZES, piece_sizes
 from tests.model_fixtures import (
     TINY_ARCHS,
     TINY_VOCAB,

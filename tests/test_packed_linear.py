@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import EngineConfig
-from engine.layers import packed as P
-from engine.model_runner import ModelRunner
+from pagedq.engine.config import EngineConfig
+from pagedq.engine.layers import packed as P
+from pagedq.engine.model_runner import ModelRunner
 from tests.model_fixtures import BlockPool, new_seq, schedule
 
 pytest_plugins = ["tests.model_fixtures"]

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from producer import (
+from pagedq.producer import (
     AsyncClient,
     Client,
     EventsTrimmed,
@@ -24,8 +24,8 @@ from producer import (
     Settings,
     TokenEvent,
 )
-from producer.keys import GROUP, out_entry_id
-from producer.schema import final_fields, token_fields
+from pagedq.producer.keys import GROUP, out_entry_id
+from pagedq.producer.schema import final_fields, token_fields
 
 MODEL = "m1"
 

@@ -2,10 +2,10 @@
 large batch's deltas, and fencing of a job whose attempt moved on."""
 from __future__ import annotations
 
-from producer import Client
-from producer.keys import Keys
-from producer.settings import Settings
-from worker.publisher import Final, Publisher
+from pagedq.producer import Client
+from pagedq.producer.keys import Keys
+from pagedq.producer.settings import Settings
+from pagedq.worker.publisher import Final, Publisher
 
 
 def _running(r, keys: Keys, job_id: str, attempt: int) -> None:

@@ -8,11 +8,11 @@ import urllib.request
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from producer.keys import Keys
+from pagedq.producer.keys import Keys
+from pagedq.worker.redis_server import free_port
 from tests.tiny_service import MODEL
 from tests.waiting import until
 from tests.worker_proc import WorkerProc
-from worker.redis_server import free_port
 
 A, B = "qm-a", "qm-b"
 QUEUE_GAUGES = ("pagedq:stream_length", "pagedq:pending_count", "pagedq:dlq_size",

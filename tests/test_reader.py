@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from producer.errors import EventsTrimmed, JobNotFound, ResultTimeout
-from producer.keys import Keys, out_entry_id
-from producer.reader import (
+from pagedq.producer.errors import EventsTrimmed, JobNotFound, ResultTimeout
+from pagedq.producer.keys import Keys, out_entry_id
+from pagedq.producer.reader import (
     POLL_S,
     READ_COUNT,
     Backoff,
@@ -31,7 +31,7 @@ from producer.reader import (
     replay,
     wait_result,
 )
-from producer.schema import FinalEvent, JobRecord, TokenEvent, final_fields, token_fields
+from pagedq.producer.schema import FinalEvent, JobRecord, TokenEvent, final_fields, token_fields
 
 KEYS = Keys("t")
 JOB, OUT = KEYS.job("j"), KEYS.out("j")

@@ -12,15 +12,15 @@ import time
 
 import pytest
 
-from producer import Client
-from producer.errors import Overloaded
-from producer.keys import GROUP
-from producer.schema import FinalEvent
-from producer.settings import Settings
+from pagedq.producer import Client
+from pagedq.producer.errors import Overloaded
+from pagedq.producer.keys import GROUP
+from pagedq.producer.schema import FinalEvent
+from pagedq.producer.settings import Settings
+from pagedq.worker import lua
+from pagedq.worker.redis_server import RedisServer
 from tests.tiny_service import MODEL
 from tests.worker_proc import WorkerProc
-from worker import lua
-from worker.redis_server import RedisServer
 
 
 def events_of(c: Client, job_id: str):
@@ -358,7 +358,7 @@ def test_worker_with_fp8_kv_cache_serves_jobs(svc):
 
 
 def test_worker_noise_seed_is_per_process_unless_given():
-    from worker.cli import build_parser, engine_kwargs
+    from pagedq.worker.cli import build_parser, engine_kwargs
     seeds = {engine_kwargs(build_parser().parse_args(["worker"]))["seed"] for _ in range(3)}
     assert len(seeds) == 3  # workers never share the unseeded jobs' noise stream
     assert engine_kwargs(build_parser().parse_args(["worker", "--seed", "5"]))["seed"] == 5

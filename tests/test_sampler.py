@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine.sampler import (
+from pagedq.engine.sampler import (
     Sampler,
     TokenLogprobs,
     apply_min_p,
@@ -15,9 +15,9 @@ from engine.sampler import (
     apply_top_k_top_p,
     row_seed,
 )
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from kernels.reference import exponentials, splitmix_uniforms
+from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.sequence import Sequence
+from pagedq.kernels.reference import exponentials, splitmix_uniforms
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PROBS = [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]  # token i has probability PROBS[i] at temperature 1

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.batch import ScheduledBatch
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import MAX_HELD_STEPS, Scheduler
-from engine.sequence import SeqStatus, Sequence
+from pagedq.engine.batch import ScheduledBatch
+from pagedq.engine.config import EngineConfig
+from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.scheduler import MAX_HELD_STEPS, Scheduler
+from pagedq.engine.sequence import SeqStatus, Sequence
 
 _ids = itertools.count()
 

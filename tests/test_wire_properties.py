@@ -14,12 +14,12 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer import Client
-from producer.errors import InvalidRequest
-from producer.invariants import queue_counters
-from producer.keys import GROUP, LANE_RE
-from producer.schema import FinalEvent, JobRequest, TokenEvent
-from producer.scripts import SUBMIT_LUA, submit_call
+from pagedq.producer import Client
+from pagedq.producer.errors import InvalidRequest
+from pagedq.producer.invariants import queue_counters
+from pagedq.producer.keys import GROUP, LANE_RE
+from pagedq.producer.schema import FinalEvent, JobRequest, TokenEvent
+from pagedq.producer.scripts import SUBMIT_LUA, submit_call
 from tests.worker_proc import WorkerProc
 
 MODEL = "smollm2"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from producer import Client
-from producer.settings import Settings
+from pagedq.producer import Client
+from pagedq.producer.settings import Settings
 from tests.model_fixtures import make_tiny_model
 from tests.worker_proc import WorkerProc
 

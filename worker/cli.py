@@ -1,4 +1,4 @@
-"""The `pagedq` console script: worker and demo here, client commands from producer.cli.
+"""The `pagedq` console script: worker and demo here, client commands from pagedq.producer.cli.
 Heavy imports (torch, the engine) happen only inside the worker/demo commands.
 
 ``--redis-url`` and ``--prefix`` are accepted before or after the subcommand; given in
@@ -27,10 +27,10 @@ import re
 import signal
 import sys
 
-from producer import cli as client_cli
-from worker import fatal
-from worker.config import ConfigError, Resolved, resolve
-from worker.settings import LOG_LEVELS
+from pagedq.producer import cli as client_cli
+from pagedq.worker import fatal
+from pagedq.worker.config import ConfigError, Resolved, resolve
+from pagedq.worker.settings import LOG_LEVELS
 
 EXIT_CLEAN = 0
 # 70: the step watchdog (worker/liveness.py); 71: an unexpected error in a worker thread;
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     client_cli.register(sub, parents=after)
-    from gateway.cli import register as register_gateway  # no web framework imported here
+    from pagedq.gateway.cli import register as register_gateway  # no web framework imported here
 
     register_gateway(sub, parents=after)
     return p
@@ -218,7 +218,7 @@ def check_config(args: argparse.Namespace) -> Resolved:
     be without loading torch; the effective configuration. Raises ConfigError."""
     cfg = resolve(args)
     settings = cfg.service
-    from producer.keys import check_name
+    from pagedq.producer.keys import check_name
 
     name_from = cfg.origin("served_name") if cfg.worker.served_name else \
         f"the stem of {cfg.origin('model')} (or give --served-name)"
@@ -228,7 +228,7 @@ def check_config(args: argparse.Namespace) -> Resolved:
             check_name(kind, value)
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
-    from producer import connection
+    from pagedq.producer import connection
 
     try:  # the URL parses; password and TLS files readable (connection.redis_kwargs)
         connection.check_offline(settings)
@@ -244,7 +244,7 @@ def check_config(args: argparse.Namespace) -> Resolved:
             raise ConfigError(f"{cfg.origin('metrics_host')} {settings.metrics_host!r}"
                               f" is not an address of this host ({e}); give an IP address "
                               f"such as 127.0.0.1 or 0.0.0.0") from None
-    from engine.config import EngineConfig  # dataclasses only: no torch
+    from pagedq.engine.config import EngineConfig  # dataclasses only: no torch
 
     try:
         EngineConfig(**cfg.engine_kwargs()).validate()
@@ -256,7 +256,7 @@ def check_config(args: argparse.Namespace) -> Resolved:
 def check_model(cfg: Resolved) -> None:
     """The model exists here (a name, folder or file), before anything loads: no torch.
     Not part of check_config: `pagedq config` may describe another machine's worker."""
-    from engine.loader import resolve_model
+    from pagedq.engine.loader import resolve_model
 
     try:
         resolve_model(cfg.worker.model, cfg.worker.load_format != "dummy")
@@ -270,8 +270,8 @@ def build_engine(cfg: Resolved, on_stage=None):
     after the device check: a bad device stays the only line on stderr."""
     import torch
 
-    from engine import progress
-    from engine.llm_engine import LLMEngine
+    from pagedq.engine import progress
+    from pagedq.engine.llm_engine import LLMEngine
 
     device, model = cfg.worker.device, cfg.worker.model
     m = re.fullmatch(r"cuda(?::(\d+))?", device)
@@ -293,25 +293,25 @@ def build_engine(cfg: Resolved, on_stage=None):
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from worker import logs
+    from pagedq.worker import logs
 
     cfg = check_config(args)
     check_model(cfg)
     logs.configure(cfg.worker.log_level)
     # wrong credentials or TLS set-up: exit 78 now, before the model loads; Redis not
     # answering is no error here (the worker starts and retries)
-    from producer import connection
+    from pagedq.producer import connection
 
     try:
         connection.probe(cfg.service)
     except connection.RedisUnusable as e:
         raise ConfigError(str(e)) from None
-    from worker.startup import StartReporter
+    from pagedq.worker.startup import StartReporter
 
     with StartReporter(cfg.service.model) as report:  # loading stages on stderr
         engine = build_engine(cfg, report.stage)
-    from worker.config_show import log_config
-    from worker.service import Worker
+    from pagedq.worker.config_show import log_config
+    from pagedq.worker.service import Worker
 
     w = Worker(engine, cfg.service, worker_id=cfg.worker.worker_id)
     # tensor-parallel: a rank process that dies ends the worker at once (exit 71), idle or
@@ -328,7 +328,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from worker.config_show import render
+    from pagedq.worker.config_show import render
 
     print(render(check_config(args), as_json=args.json))
     return EXIT_CLEAN
@@ -347,7 +347,7 @@ def install_signal_handlers(w) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from worker.demo import run_demo
+    from pagedq.worker.demo import run_demo
 
     check_model(check_config(args))  # the demo's worker would exit 78 into its log; say it here
     return run_demo(args)

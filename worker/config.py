@@ -29,9 +29,9 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
-from producer.settings import Settings
-from worker.names import served_name
-from worker.settings import ENGINE_FIELDS, WorkerSettings
+from pagedq.producer.settings import Settings
+from pagedq.worker.names import served_name
+from pagedq.worker.settings import ENGINE_FIELDS, WorkerSettings
 
 CONFIG_ENV = "PAGEDQ_CONFIG"
 SOURCES = ("flag", "env", "file", "default")  # precedence, highest first

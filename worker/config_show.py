@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from producer.connection import redact_url
-from worker.config import SOURCES, Resolved, env_name, flag_name, sections
+from pagedq.producer.connection import redact_url
+from pagedq.worker.config import SOURCES, Resolved, env_name, flag_name, sections
 
 
 def _redact(v: Any) -> Any:

@@ -23,8 +23,8 @@ import tempfile
 import time
 from typing import Any
 
-from worker.demo_view import DemoJob, DemoState, LiveView, PlainView
-from worker.startup import parse_line
+from pagedq.worker.demo_view import DemoJob, DemoState, LiveView, PlainView
+from pagedq.worker.startup import parse_line
 
 PROMPTS = [
     "What is the capital of France?",
@@ -45,10 +45,10 @@ class DemoFailed(Exception):
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from producer.connection import RedisUnusable, redact_url
-    from producer.settings import Settings
-    from worker.config import ConfigError
-    from worker.embedded import ensure_redis
+    from pagedq.producer.connection import RedisUnusable, redact_url
+    from pagedq.producer.settings import Settings
+    from pagedq.worker.config import ConfigError
+    from pagedq.worker.embedded import ensure_redis
 
     settings = Settings()
     try:
@@ -88,10 +88,10 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _start_worker(args: argparse.Namespace, url: str, prefix: str,
                   log_path: str) -> subprocess.Popen:
-    from worker.config import flag_argv
+    from pagedq.worker.config import flag_argv
 
     # the URL goes by the environment, not argv: a password in it would show in ps
-    cmd = [sys.executable, "-m", "worker.cli", "--prefix", prefix, "worker",
+    cmd = [sys.executable, "-m", "pagedq.worker.cli", "--prefix", prefix, "worker",
            "--model", args.model or "smollm2", "--worker-id", "demo-worker",
            *flag_argv(args, skip=frozenset({"redis_url", "prefix", "model", "worker_id"}))]
     with open(log_path, "w") as logf:
@@ -114,7 +114,7 @@ def _remove_keys(url: str, prefix: str) -> int:
     ``{prefix}:...`` or ``{prefix:p<k>}:...``)."""
     import redis
 
-    from producer import Client
+    from pagedq.producer import Client
 
     try:
         with Client(url, prefix=prefix) as c:
@@ -145,8 +145,8 @@ def _log_tail(path: str, lines: int = 15) -> str:
 
 async def _run(args: argparse.Namespace, url: str, prefix: str, proc: subprocess.Popen,
                state: DemoState, view: LiveView | PlainView) -> None:
-    from producer import AsyncClient
-    from worker.names import served_name
+    from pagedq.producer import AsyncClient
+    from pagedq.worker.names import served_name
 
     state.model = served_name(args.model or "smollm2", args.served_name)
     watcher = asyncio.create_task(_watch_worker(proc, state, view))
@@ -224,7 +224,7 @@ async def _jobs(client: Any, args: argparse.Namespace, state: DemoState,
 
 
 async def _follow(client: Any, j: DemoJob, view: LiveView | PlainView) -> None:
-    from producer.schema import FinalEvent
+    from pagedq.producer.schema import FinalEvent
 
     async for ev in client.stream(j.job_id, timeout=STREAM_TIMEOUT_S):
         now = time.monotonic()

@@ -2,9 +2,9 @@
 answers there (the demo on a fresh machine)."""
 from __future__ import annotations
 
-from producer.connection import probe
-from producer.settings import Settings
-from worker.redis_server import RedisServer
+from pagedq.producer.connection import probe
+from pagedq.producer.settings import Settings
+from pagedq.worker.redis_server import RedisServer
 
 
 def redis_answers(url: str, settings: Settings | None = None) -> bool:

@@ -1,4 +1,4 @@
-"""``python -m worker.healthcheck``: the container health probe of a pagedq worker.
+"""``python -m pagedq.worker.healthcheck``: the container health probe of a pagedq worker.
 
 GETs the worker's /healthz (``--ready``: /readyz) on 127.0.0.1 at $PAGEDQ_METRICS_PORT
 (the port the worker itself reads) and prints the JSON answer, which Docker keeps in
@@ -42,7 +42,7 @@ def probe(url: str, timeout: float) -> tuple[int, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m worker.healthcheck",
+        prog="python -m pagedq.worker.healthcheck",
         description="Probe a pagedq worker's /healthz (exit 0 healthy, 1 unhealthy).")
     p.add_argument("--ready", action="store_true",
                    help="probe /readyz instead (unhealthy while draining) (default: /healthz)")

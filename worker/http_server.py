@@ -22,7 +22,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from worker.health import Health
+from pagedq.worker.health import Health
 
 HEALTH_PATHS = {"/healthz": False, "/readyz": True}  # path -> readiness check?
 TEXT_FORMAT = "text/plain; version=0.0.4"

@@ -30,17 +30,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import redis
 
-from producer import worker_scripts
-from producer.keys import GROUP, Keys
-from producer.reader import replay
-from producer.schema import FinishReason, JobRequest, Status
-from producer.worker_scripts import Started
-from worker import faults, lanes, lua, tenants
-from worker.jobs import BadEntry, Job, WorkerIdentity, parse_entry, sampling_params
-from worker.metrics import Metrics
-from worker.pacing import StepPacer
-from worker.publisher import Publisher
-from worker.recovery import reclaim
+from pagedq.producer import worker_scripts
+from pagedq.producer.keys import GROUP, Keys
+from pagedq.producer.reader import replay
+from pagedq.producer.schema import FinishReason, JobRequest, Status
+from pagedq.producer.worker_scripts import Started
+from pagedq.worker import faults, lanes, lua, tenants
+from pagedq.worker.jobs import BadEntry, Job, WorkerIdentity, parse_entry, sampling_params
+from pagedq.worker.metrics import Metrics
+from pagedq.worker.pacing import StepPacer
+from pagedq.worker.publisher import Publisher
+from pagedq.worker.recovery import reclaim
 
 DLQ_BODY_CHARS = 4096
 LOWER_LANE_POLL_S = 0.1  # a busy worker looks at an empty lower lane this often

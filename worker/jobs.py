@@ -15,11 +15,11 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from engine.sampling_params import SamplingParams
-from producer.connection import is_cluster
-from producer.keys import JOB_ID_RE, Keys
-from producer.schema import FinishReason, JobRequest, clean_logprob, describe
-from producer.settings import Settings
+from pagedq.engine.sampling_params import SamplingParams
+from pagedq.producer.connection import is_cluster
+from pagedq.producer.keys import JOB_ID_RE, Keys
+from pagedq.producer.schema import FinishReason, JobRequest, clean_logprob, describe
+from pagedq.producer.settings import Settings
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,12 +14,12 @@ from collections.abc import Callable
 import redis
 import structlog
 
-from producer import worker_scripts
-from producer.keys import GROUP, Keys
-from worker import fatal, faults, lua
-from worker.jobs import Job, WorkerIdentity
-from worker.metrics import Metrics
-from worker.publisher import Publisher
+from pagedq.producer import worker_scripts
+from pagedq.producer.keys import GROUP, Keys
+from pagedq.worker import fatal, faults, lua
+from pagedq.worker.jobs import Job, WorkerIdentity
+from pagedq.worker.metrics import Metrics
+from pagedq.worker.publisher import Publisher
 
 log = structlog.get_logger("pagedq.liveness")
 PRUNE_AFTER_S = 3600.0  # a worker silent this long leaves {P}:workers and {P}:serving:*

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from worker import http_server
-from worker.gpu_metrics import GpuCollector
-from worker.health import Health
+from pagedq.worker import http_server
+from pagedq.worker.gpu_metrics import GpuCollector
+from pagedq.worker.health import Health
 
 _LAT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)

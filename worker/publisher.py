@@ -29,11 +29,11 @@ from typing import Any
 import redis
 import structlog
 
-from producer import worker_scripts
-from producer.connection import RETRYABLE, is_cluster
-from producer.keys import Keys
-from producer.settings import Settings
-from worker import fatal, faults, lua
+from pagedq.producer import worker_scripts
+from pagedq.producer.connection import RETRYABLE, is_cluster
+from pagedq.producer.keys import Keys
+from pagedq.producer.settings import Settings
+from pagedq.worker import fatal, faults, lua
 
 log = structlog.get_logger("pagedq.publisher")
 

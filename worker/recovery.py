@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import redis
 
-from producer import worker_scripts
-from producer.keys import GROUP
-from worker import lua
+from pagedq.producer import worker_scripts
+from pagedq.producer.keys import GROUP
+from pagedq.worker import lua
 
 
 @dataclass(slots=True)

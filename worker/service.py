@@ -17,20 +17,20 @@ import time
 import redis
 import structlog
 
-from engine.llm_engine import LLMEngine
-from producer import connection
-from producer.connection import RETRYABLE
-from producer.keys import GROUP, Keys
-from producer.schema import FinishReason, Status
-from producer.settings import Settings
-from worker import fatal, faults, liveness, recovery
-from worker.gc_pauses import GcPauses
-from worker.health import DRAINING, SERVING, STOPPED, Health
-from worker.intake import Intake
-from worker.jobs import Job, WorkerIdentity, logprobs_json, split_request_id
-from worker.metrics import Metrics, observe_many
-from worker.pacing import StepPacer
-from worker.publisher import Final, Publisher
+from pagedq.engine.llm_engine import LLMEngine
+from pagedq.producer import connection
+from pagedq.producer.connection import RETRYABLE
+from pagedq.producer.keys import GROUP, Keys
+from pagedq.producer.schema import FinishReason, Status
+from pagedq.producer.settings import Settings
+from pagedq.worker import fatal, faults, liveness, recovery
+from pagedq.worker.gc_pauses import GcPauses
+from pagedq.worker.health import DRAINING, SERVING, STOPPED, Health
+from pagedq.worker.intake import Intake
+from pagedq.worker.jobs import Job, WorkerIdentity, logprobs_json, split_request_id
+from pagedq.worker.metrics import Metrics, observe_many
+from pagedq.worker.pacing import StepPacer
+from pagedq.worker.publisher import Final, Publisher
 
 log = structlog.get_logger("pagedq.worker")
 GIL_SWITCH_S = 0.001

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.layers import ops
+from pagedq.engine.layers import ops
 
 
 @dataclass(slots=True)

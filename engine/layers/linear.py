@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.packed import linear
-from engine.parallel import SINGLE, TensorParallel
+from pagedq.engine.layers.packed import linear
+from pagedq.engine.parallel import SINGLE, TensorParallel
 
 
 class ShapeError(ValueError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers import ops
+from pagedq.engine.layers import ops
 
 
 class RMSNorm(nn.Module):

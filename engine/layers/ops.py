@@ -17,19 +17,19 @@ import sys
 
 import torch
 
-from kernels import cpu, reference
+from pagedq.kernels import cpu, reference
 
 # op name -> Triton module under kernels/
 TRITON_MODULES = {
-    "store_kvcache": "kernels.store_kvcache",
-    "paged_decode_attention": "kernels.decode_attention",
-    "paged_attention": "kernels.prefill_attention",
-    "rms_norm": "kernels.norm",
-    "fused_add_rms_norm": "kernels.norm",
-    "apply_rotary": "kernels.rotary",
-    "qk_norm_rope_store": "kernels.rope_store",
-    "gumbel_argmax": "kernels.sampling",
-    "silu_and_mul": "kernels.activation",
+    "store_kvcache": "pagedq.kernels.store_kvcache",
+    "paged_decode_attention": "pagedq.kernels.decode_attention",
+    "paged_attention": "pagedq.kernels.prefill_attention",
+    "rms_norm": "pagedq.kernels.norm",
+    "fused_add_rms_norm": "pagedq.kernels.norm",
+    "apply_rotary": "pagedq.kernels.rotary",
+    "qk_norm_rope_store": "pagedq.kernels.rope_store",
+    "gumbel_argmax": "pagedq.kernels.sampling",
+    "silu_and_mul": "pagedq.kernels.activation",
 }
 
 _use_triton = False

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.reference import rotary_cos_sin
+from pagedq.kernels.reference import rotary_cos_sin
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 

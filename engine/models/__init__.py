@@ -1,7 +1,7 @@
 """Model registry: hf_config.architectures (else model_type) -> our model class."""
 from __future__ import annotations
 
-from engine.models.llama import (
+from pagedq.engine.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
     Qwen2ForCausalLM,

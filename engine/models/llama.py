@@ -16,9 +16,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.layers.activation import SiluAndMul
-from engine.layers.attention import Attention, AttentionMetadata
-from engine.layers.linear import (
+from pagedq.engine.layers.activation import SiluAndMul
+from pagedq.engine.layers.attention import Attention, AttentionMetadata
+from pagedq.engine.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
@@ -26,10 +26,10 @@ from engine.layers.linear import (
     VocabParallelEmbedding,
     vocab_parallel_logits,
 )
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, rope_params
-from engine.loader import materialize
-from engine.parallel import SINGLE, TensorParallel, check_heads, head_slice, split
+from pagedq.engine.layers.norm import RMSNorm
+from pagedq.engine.layers.rotary import RotaryEmbedding, rope_params
+from pagedq.engine.loader import materialize
+from pagedq.engine.parallel import SINGLE, TensorParallel, check_heads, head_slice, split
 
 # HF projection name -> (our merged parameter, shard index)
 STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -1,6 +1,6 @@
 """Bulk batches from Python: ``Batches`` (sync) and ``AsyncBatches`` (asyncio).
 
-    from producer.batch import Batches
+    from pagedq.producer.batch import Batches
     with Batches("redis://127.0.0.1:6379/0") as b:
         batch = b.create("requests.jsonl", completion_window="24h")
         batch = b.wait(batch.id)

@@ -1,4 +1,4 @@
-"""``python -m producer.batch.healthcheck``: the container health probe of
+"""``python -m pagedq.producer.batch.healthcheck``: the container health probe of
 ``pagedq batch worker``.
 
 Healthy = Redis answers and an rq worker registered from this host (its container: the
@@ -49,7 +49,7 @@ def check(settings: Settings, bs: BatchSettings, hostname: str) -> tuple[int, st
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m producer.batch.healthcheck",
+        prog="python -m pagedq.producer.batch.healthcheck",
         description="Probe this host's `pagedq batch worker` (exit 0 healthy, 1 unhealthy). "
                     "Redis URL, credentials and queue from the PAGEDQ_* environment.")
     p.add_argument("--hostname", default=socket.gethostname(),

@@ -22,8 +22,8 @@ from .settings import BatchSettings
 from .store import BatchStore
 
 # dotted names of the rq job functions (producer/batch/jobs.py)
-INGEST_FUNC = "producer.batch.jobs.ingest"
-TICK_FUNC = "producer.batch.jobs.tick"
+INGEST_FUNC = "pagedq.producer.batch.jobs.ingest"
+TICK_FUNC = "pagedq.producer.batch.jobs.tick"
 FAILURE_TTL_S = 86400
 
 

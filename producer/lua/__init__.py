@@ -2,7 +2,7 @@
 
 ``source(name)`` is the exact text to EVAL or SCRIPT LOAD: ``common.lua`` (the rules every
 script shares: event ids, the final event, leaving the queue, the terminal statuses)
-followed by ``<name>.lua``. The terminal set is generated from ``producer.schema.TERMINAL``,
+followed by ``<name>.lua``. The terminal set is generated from ``pagedq.producer.schema.TERMINAL``,
 so the scripts never restate it. Producers in other languages load the same text
 (docs/protocol.md); each file's header gives its KEYS, ARGV and reply.
 
