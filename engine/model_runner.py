@@ -111,7 +111,7 @@ class ModelRunner:
         if tp_size == 1:
             self._build(model_cls, weights)
         else:
-            from pagedq.engine.distributed import RankGroup
+            from pagedq.engine.rank_group import RankGroup
             if rank == 0:
                 stage(f"starting {tp_size - 1} tensor-parallel rank process(es)")
                 link = self.ranks = RankGroup(type(self), model_name_or_path, config,
