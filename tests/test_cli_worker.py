@@ -14,9 +14,9 @@ import uuid
 
 import pytest
 
-import pagedq.worker.metrics
 from pagedq.producer import Client
 from pagedq.worker import cli as worker_cli
+from pagedq.worker import metrics as worker_metrics
 from pagedq.worker.cli import EXIT_CONFIG, build_parser, main, settings_from
 from tests.test_cli_client import options_without_default, parsers
 from tests.worker_proc import ROOT
@@ -198,7 +198,7 @@ def test_metrics_host_setting_and_binding(monkeypatch):
     monkeypatch.delenv("PAGEDQ_METRICS_HOST", raising=False)
     assert settings_from(build_parser().parse_args(["worker"])).metrics_host == "127.0.0.1"
 
-    m = pagedq.worker.metrics.Metrics()
+    m = worker_metrics.Metrics()
     port = m.serve(0)  # loopback by default, a real HTTP server
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         assert resp.status == 200 and b"pagedq:" in resp.read()
