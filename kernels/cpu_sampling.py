@@ -1,4 +1,5 @@
-"""CPU sampling: reference.gumbel_argmax's contract and, up to the rounding of log, its
+"""CPU sampling: reference.apply_token_bitmask's contract (below), and
+reference.gumbel_argmax's contract and, up to the rounding of log, its
 results, without its cost on the CPU.
 
 The twin draws noise for every row and every vocabulary entry in one pass: about twenty
@@ -93,3 +94,21 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
     tile = torch.stack(best, dim=1).argmax(dim=1, keepdim=True)  # the first best tile
     out[rows] = torch.stack(first, dim=1).gather(1, tile).squeeze(1)
     return out
+
+
+_byte_bits: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
+                        vocab_size: int) -> None:
+    """reference.apply_token_bitmask: the mask's bytes looked up in a [256, 8] table of
+    their bits (one gather instead of 32 shifts per word; the words are little-endian, so
+    byte k of word w holds bits 8k..8k+7 of it), then only the masked rows are written."""
+    table = _byte_bits.get(logits.device)
+    if table is None:
+        byte = torch.arange(256, device=logits.device).unsqueeze(1)
+        table = ((byte >> torch.arange(8, device=logits.device)) & 1).bool()
+        _byte_bits[logits.device] = table
+    allowed = table[bitmask.contiguous().view(torch.uint8).long()].flatten(1)[:, :vocab_size]
+    sub = logits.index_select(0, rows)[:, :vocab_size]
+    logits[:, :vocab_size].index_copy_(0, rows, sub.masked_fill_(~allowed, float("-inf")))
