@@ -116,8 +116,12 @@ class GuidedDecoding:
                 raise ValueError("guided decoding needs the model's fast (tokenizers) "
                                  "tokenizer; this model has none")
             lib = library()
-            tok = lib.LLTokenizer(self._hf.backend_tokenizer.to_str(), n_vocab=self.vocab_size,
-                                  eos_token=self._eos or None)
+            try:
+                tok = lib.LLTokenizer(self._hf.backend_tokenizer.to_str(),
+                                      n_vocab=self.vocab_size, eos_token=self._eos or None)
+            except Exception as e:  # noqa: BLE001  (the library's own error types)
+                raise ValueError(f"guided decoding: the tokenizer does not fit the model's "
+                                 f"{self.vocab_size}-token vocabulary ({one_line(str(e))})") from None
             self._executor = lib.LLExecutor()
             self.cache = GrammarCache(tok, self.cache_size)
         return self.cache

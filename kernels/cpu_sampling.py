@@ -21,8 +21,11 @@ the tensor's shape and the thread count).
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from pagedq.kernels import reference
 from pagedq.kernels.reference import C1, C2, GAMMA, signed64
 
 TILE = 1 << 17  # elements of a sampled tile: its int64 temporaries (1 MB each) stay cached
@@ -96,19 +99,17 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
     return out
 
 
-_byte_bits: dict[torch.device, torch.Tensor] = {}
-
-
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
                         vocab_size: int) -> None:
-    """reference.apply_token_bitmask: the mask's bytes looked up in a [256, 8] table of
-    their bits (one gather instead of 32 shifts per word; the words are little-endian, so
-    byte k of word w holds bits 8k..8k+7 of it), then only the masked rows are written."""
-    table = _byte_bits.get(logits.device)
-    if table is None:
-        byte = torch.arange(256, device=logits.device).unsqueeze(1)
-        table = ((byte >> torch.arange(8, device=logits.device)) & 1).bool()
-        _byte_bits[logits.device] = table
-    allowed = table[bitmask.contiguous().view(torch.uint8).long()].flatten(1)[:, :vocab_size]
+    """reference.apply_token_bitmask: numpy's unpackbits (one C pass) turns the inverted
+    words into one byte per banned token (words are little-endian: byte k of word w holds
+    bits 8k..8k+7), then only the masked rows are gathered, filled and written back."""
+    if sys.byteorder != "little":
+        reference.apply_token_bitmask(logits, bitmask, rows, vocab_size)
+        return
+    import numpy as np
+    words = torch.bitwise_not(bitmask).contiguous().numpy().view(np.uint8)
+    banned = torch.from_numpy(np.unpackbits(words, axis=1, bitorder="little")[:, :vocab_size])
     sub = logits.index_select(0, rows)[:, :vocab_size]
-    logits[:, :vocab_size].index_copy_(0, rows, sub.masked_fill_(~allowed, float("-inf")))
+    logits[:, :vocab_size].index_copy_(0, rows, sub.masked_fill_(banned.view(torch.bool),
+                                                                 float("-inf")))
