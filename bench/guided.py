@@ -16,7 +16,10 @@
                     workload 1 (bench/offline.py: 256 sequences); guided rows need a
                     tokenizer: --tokenizer DIR (its files are copied next to the random
                     weights; default: the bundled SmolLM2's, 49,152 tokens, from
-                    ~/.cache/pagedq; tokens past it are never allowed in a guided row)
+                    ~/.cache/pagedq; tokens past it are never allowed in a guided row). For
+                    a machine without the bundled model, carry a copy: mkdir -p
+                    .whl/smollm2-tokenizer; cp ~/.cache/pagedq/models/SmolLM2-*/
+                    tokenizer* .whl/smollm2-tokenizer/ (bench/h200.sh guided reads it)
       --smoke: a quick run of the script itself on the CPU (a tiny random model with
       SmolLM2's vocabulary, 8 sequences, 16 tokens); its figures mean nothing.
 

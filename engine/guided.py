@@ -96,7 +96,10 @@ class GuidedDecoding:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int],
                  pin_memory: bool = False, cache_size: int = CACHE_SIZE) -> None:
         self._hf, self.vocab_size = tokenizer, vocab_size
-        self._eos = sorted(eos_token_ids)
+        # the EOS a grammar allows where it may end: the tokenizer's own if the engine
+        # stops on it (the engine stops on any of its EOS ids; older llguidance takes one)
+        own = getattr(tokenizer, "eos_token_id", None)
+        self._eos = own if own in eos_token_ids else min(eos_token_ids, default=None)
         self.pin_memory, self.cache_size = pin_memory, cache_size
         self.words = (vocab_size + 31) // 32
         self.cache: GrammarCache | None = None
@@ -118,7 +121,7 @@ class GuidedDecoding:
             lib = library()
             try:
                 tok = lib.LLTokenizer(self._hf.backend_tokenizer.to_str(),
-                                      n_vocab=self.vocab_size, eos_token=self._eos or None)
+                                      n_vocab=self.vocab_size, eos_token=self._eos)
             except Exception as e:  # noqa: BLE001  (the library's own error types)
                 raise ValueError(f"guided decoding: the tokenizer does not fit the model's "
                                  f"{self.vocab_size}-token vocabulary ({one_line(str(e))})") from None

@@ -63,6 +63,7 @@ class GuidedSpec:
 
 
 def library():
+    """The llguidance module (imported here, on first use); ValueError when missing."""
     try:
         import llguidance
     except ImportError:

@@ -133,10 +133,13 @@ class Sampler:
                 x[_t(mask_r, dev), _t(mask_t, dev)] = float("-inf")
             if guided is not None:
                 ops.apply_token_bitmask(x, _to(guided.bitmask, dev), _t(guided.rows, dev), V)
-            tokens = _greedy(x)
-            if rand_rows:
-                idx = _t(rand_rows, dev)
-                tokens[idx] = self._sample(x[idx], [seqs[i] for i in rand_rows])
+            if len(rand_rows) == len(seqs):  # every row samples: no argmax to throw away
+                tokens = self._sample(x, seqs)
+            else:
+                tokens = _greedy(x)
+                if rand_rows:
+                    idx = _t(rand_rows, dev)
+                    tokens[idx] = self._sample(x[idx], [seqs[i] for i in rand_rows])
         return tokens, raw, lp_rows
 
     def _penalised(self, x: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
