@@ -15,8 +15,9 @@ A crash-resumed request's already-streamed tokens go through its matcher at add_
 
 Grammars are compiled once per spec: ``GrammarCache`` keeps a matcher in its start state
 per spec (LRU, bounded, thread-safe) and hands out copies (microseconds; compiling is
-about a millisecond, docs/benchmarks.md). The llguidance tokenizer is built on the first
-guided request (about half a second for a 49k vocabulary), never for an unguided engine.
+about a millisecond, docs/benchmarks.md). The llguidance tokenizer is built by the first
+guided request, or ``prepare()`` (about half a second for a 49k vocabulary), never for an
+unguided engine.
 """
 from __future__ import annotations
 
@@ -113,7 +114,10 @@ class GuidedDecoding:
     def __contains__(self, seq: Sequence) -> bool:
         return seq in self._rows
 
-    def _ready(self) -> GrammarCache:
+    def prepare(self) -> GrammarCache:
+        """Build the llguidance tokenizer and the grammar cache now (the first guided request
+        does otherwise, on the engine thread: ~0.5 s for a 49k vocabulary); ValueError if
+        this model cannot be guided."""
         if self.cache is None:
             if self._hf is None or not hasattr(self._hf, "backend_tokenizer"):
                 raise ValueError("guided decoding needs the model's fast (tokenizers) "
@@ -132,7 +136,7 @@ class GuidedDecoding:
     def start(self, spec: GuidedSpec, resumed: list[int]) -> _Guided:
         """A matcher of ``spec`` that has consumed ``resumed`` (a crash resume's streamed
         tokens); ValueError if the spec does not compile or the grammar refuses them."""
-        matcher = self._ready().matcher(spec)
+        matcher = self.prepare().matcher(spec)
         if resumed and not matcher.consume_tokens(resumed):
             raise ValueError(f"guided {spec.kind}: the resumed tokens do not follow the "
                              f"grammar ({one_line(matcher.get_error())})")

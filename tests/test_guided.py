@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 import threading
 
 import jsonschema
@@ -165,6 +166,17 @@ def test_a_spec_that_cannot_compile_is_a_clear_error(smol, kind, text, message):
     assert not smol.has_unfinished() and not smol.guided
     smol.add_request("e", "Hi", SamplingParams(max_tokens=1))  # the id was not taken
     run(smol, [])
+
+
+def test_a_model_without_a_tokenizer_refuses_guided_requests(tiny_model_dir, tmp_path):
+    shutil.copy(tiny_model_dir("LlamaForCausalLM") / "config.json", tmp_path)
+    eng = LLMEngine(str(tmp_path), load_format="dummy", device="cpu", num_kv_blocks=16)
+    assert eng.tokenizer is None
+    with pytest.raises(ValueError, match="guided decoding needs the model's fast"):
+        eng.add_request("g", [1, 2, 3], SamplingParams(guided=GuidedSpec("regex", "a+")))
+    with pytest.raises(ValueError, match="guided decoding needs"):
+        eng.guided.prepare()
+    assert not eng.has_unfinished()
 
 
 def test_spec_construction_errors():
