@@ -2,7 +2,7 @@
 # The GPU figures of issue 4 in one go (run from the repo root on the H200 machine; OUT is
 # the folder for JSON results). What each line measures is in bench/*.py's docstrings.
 #   bash bench/h200.sh [tests] [main] [ablations] [profile] [kernels] [service] [openloop]
-#                      [prefill] [rediscost]
+#                      [prefill] [rediscost] [guided]
 # (openloop: 301 s on the H200, closed run and worker start included: give it a call of its
 # own or little beside it; it draws its PNGs where matplotlib is, else python bench/plot.py JSON)
 set -u
@@ -36,6 +36,14 @@ for s in $steps; do
               timeout 580 python3 bench/service.py --rate auto --duration 30 --settle 5 \
                 --out "$OUT" 2>&1 | grep -v -i warn | tail -12 ;;
     prefill) timeout 300 python3 bench/prefill.py --out "$OUT" 2>&1 | grep -v -i warn | tail -6 ;;
+    guided) # tok/s of workload 1 with 0%, 10% and 100% guided rows (needs llguidance, carried
+            # in .whl/); async (the default) then synchronous: what guided rows cost each way
+            # and a tokenizer: .whl/smollm2-tokenizer/ (bench/guided.py says how to make it)
+            tok=(--tokenizer .whl/smollm2-tokenizer)
+            timeout 300 python3 bench/guided.py engine "${tok[@]}" --json "$OUT/guided.json" \
+              2>&1 | tail -7
+            timeout 300 python3 bench/guided.py engine "${tok[@]}" --no-async \
+              --json "$OUT/guided-sync.json" 2>&1 | tail -7 ;;
     rediscost) export PAGEDQ_REDIS_SERVER=${PAGEDQ_REDIS_SERVER:-$PWD/.whl/redis-server}
                # no GPU used: 1 redis-server vs a 3-master cluster (6 partitions), generators
                # 3x for the cluster; about 1.5 minutes

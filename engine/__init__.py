@@ -1,11 +1,13 @@
 """The inference engine. Never imports redis (a test asserts it).
 
-``from engine import LLMEngine, SamplingParams`` is the public API; it imports torch
-lazily so that ``import pagedq.engine.sampling_params`` stays light.
+``from pagedq.engine import LLMEngine, SamplingParams, GuidedSpec`` is the public API; it
+imports torch lazily so that ``import pagedq.engine.sampling_params`` stays light
+(``GuidedSpec`` and ``validate_guided`` import no torch either).
 """
+from pagedq.engine.guided_spec import GuidedSpec, validate_guided
 from pagedq.engine.sampling_params import SamplingParams
 
-__all__ = ["LLMEngine", "SamplingParams"]
+__all__ = ["GuidedSpec", "LLMEngine", "SamplingParams", "validate_guided"]
 
 
 def __getattr__(name: str):

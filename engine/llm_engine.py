@@ -15,6 +15,7 @@ from typing import Any
 
 from pagedq.engine.config import EngineConfig
 from pagedq.engine.detokenizer import OutputStream
+from pagedq.engine.guided import GuidedDecoding
 from pagedq.engine.model_runner import ModelRunner
 from pagedq.engine.offline import OfflineMixin
 from pagedq.engine.outputs import StepOutput
@@ -74,8 +75,11 @@ class LLMEngine(OfflineMixin):
         # duplicate check and abort_request find a request's samples without a scan of
         # every live request (O(running) per admission before)
         self._samples: dict[str, set[str]] = {}
+        self.guided = GuidedDecoding(self.tokenizer, self.runner.vocab_size, self.eos_token_ids,
+                                     pin_memory=self.runner.device.type == "cuda")
         self.pipeline = StepPipeline(self.runner, self.sampler, self.scheduler, self._live,
-                                     self._advance, self.max_model_len, self._async())
+                                     self._advance, self.max_model_len, self._async(),
+                                     self.guided)
         self.last_step_tokens = 0  # tokens computed by the step the last step() launched
 
     def _async(self) -> bool:
@@ -122,10 +126,12 @@ class LLMEngine(OfflineMixin):
                     messages: list[dict[str, str]] | None = None, priority: int = 0,
                     resume_token_ids: list[int] | None = None) -> int:
         """Queue a request; returns its prompt length. Raises ValueError for bad input
-        (empty prompt, prompt that does not fit the context, token ids out of vocab).
+        (empty prompt, prompt that does not fit the context, token ids out of vocab, a
+        guided spec that does not compile, logit_bias ids out of vocab).
 
         ``resume_token_ids``: output tokens an earlier attempt already produced (crash
-        resume); they are re-prefilled, not re-emitted, and count toward max_tokens.
+        resume); they are re-prefilled, not re-emitted, and count toward max_tokens; a
+        guided request's grammar consumes them here (ValueError if it refuses them).
         """
         params = params or SamplingParams()
         n = params.n
@@ -143,6 +149,10 @@ class LLMEngine(OfflineMixin):
         if total >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens (+{len(resumed)} resumed); the "
                              f"model's context is {self.max_model_len} tokens")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        guide = (self.guided.start(params.guided, resumed) if params.guided is not None
+                 else None)
         max_output = min(params.max_tokens, self.max_model_len - len(ids))
         for k in range(n):
             rid = request_id if n == 1 else f"{request_id}#{k}"
@@ -155,6 +165,8 @@ class LLMEngine(OfflineMixin):
                       else _NoText())
             for t in resumed:  # replay, discarding text the earlier attempt already emitted
                 stream.push(t)
+            if guide is not None:
+                self.guided.attach(seq, guide, copy=k > 0)
             self.scheduler.add(seq)
             self._live[rid] = _Live(seq, stream, max_output)
         if n > 1:
@@ -173,6 +185,7 @@ class LLMEngine(OfflineMixin):
     def _drop(self, rid: str) -> _Live:
         """Forget a live request (finished or aborted), and its sample's place in its group."""
         live = self._live.pop(rid)
+        self.guided.drop(live.seq)
         base = rid.rpartition("#")[0]
         group = self._samples.get(base)
         if group is not None and rid in group:
@@ -265,6 +278,8 @@ class LLMEngine(OfflineMixin):
             delta, by_string = live.stream.push(tok)
             if by_string:
                 reason = "stop"
+            elif p.guided is not None and self.guided.advance(seq):
+                reason = "stop"  # the grammar is complete: nothing but EOS may follow
             elif n_out >= live.max_output or len(toks) >= self.max_model_len:
                 reason = "length"
         if reason is not None:

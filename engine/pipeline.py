@@ -39,6 +39,11 @@ Invariants:
   * A step stays in flight only if none of its sampling rows needs host-side token values
     before the next step: penalties (the sampler reads output ids) and logprobs (computed
     with host syncs) make that step synchronous (collected in the same call).
+  * Guided rows (engine/guided.py) do not: their grammar masks need the value of the
+    token before, so ``launch`` reads the step in flight's token ids once the forward
+    pass is queued (the wait ``collect`` would have made next), advances the matchers and
+    builds the masks on the host while the device runs the forward, then queues the
+    sampling. The next step still launches before this one's tokens reach the host.
   * All device work is on one stream: the in-flight step's K/V writes precede any later
     use of blocks freed and re-allocated meanwhile (abort, finish, preemption).
 """
@@ -56,6 +61,7 @@ from pagedq.engine.sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
     from pagedq.engine.batch import ScheduledBatch
+    from pagedq.engine.guided import GuidedDecoding, GuidedMask
     from pagedq.engine.model_runner import ModelRunner
     from pagedq.engine.outputs import StepOutput
     from pagedq.engine.sampler import Sampler
@@ -93,12 +99,15 @@ class InFlight:
     event: Any = None  # torch.cuda.Event recorded after the copy
     logprobs: list[Any] | None = None
     index: dict[Sequence, int] | None = None  # seq -> row in tokens (async only)
+    ids: list[int] | None = None  # token_ids(), once read
 
     def token_ids(self) -> list[int]:
         """The sampled ids (waits for the device copy)."""
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host if isinstance(self.host, list) else self.host.tolist()
+        if self.ids is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self.ids = self.host if isinstance(self.host, list) else self.host.tolist()
+        return self.ids
 
 
 class StepPipeline:
@@ -107,13 +116,15 @@ class StepPipeline:
 
     ``requests`` is the engine's map of live requests (request_id -> ``Request``), read
     only; ``advance(request, token_id, logprobs)`` is the engine's per-token output step,
-    called by ``collect`` once the token is in ``token_ids``."""
+    called by ``collect`` once the token is in ``token_ids``. ``guided`` holds the grammar
+    matchers of guided sequences."""
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, scheduler: Scheduler,
                  requests: Mapping[str, Request],
                  advance: Callable[[Any, int, Any], StepOutput], max_model_len: int,
-                 allow_async: bool) -> None:
+                 allow_async: bool, guided: GuidedDecoding) -> None:
         self.runner, self.sampler, self.scheduler = runner, sampler, scheduler
+        self.guided = guided
         self.bm = scheduler.bm
         self.requests, self.advance = requests, advance
         self.max_model_len = max_model_len
@@ -153,10 +164,11 @@ class StepPipeline:
         sampling = self.scheduler.update_after_step(batch)
         if not sampling:
             return None
+        masks = self._masks(sampling, prev) if self.guided else None
         if not self.allow_async or any(needs_host_values(s.params) for s in sampling):
-            out = self.sampler(logits, sampling)
+            out = self.sampler(logits, sampling, masks)
             return InFlight(sampling, out.token_ids, logprobs=out.logprobs)
-        tokens = self.sampler.sample(logits, sampling)
+        tokens = self.sampler.sample(logits, sampling, masks)
         index = {s: j for j, s in enumerate(sampling)}
         if not tokens.is_cuda:
             self.inflight = InFlight(sampling, tokens, tokens, index=index)
@@ -168,6 +180,23 @@ class StepPipeline:
         self.inflight = InFlight(sampling, host, tokens, event, index=index)
         return None
 
+    def _masks(self, sampling: list[Sequence], prev: InFlight | None) -> GuidedMask | None:
+        """The grammar masks of the guided rows among ``sampling``; a row whose last token
+        is still a placeholder takes its value from ``prev`` (waiting for its copy)."""
+        pending: dict[Sequence, int] = {}
+        if prev is not None and prev.index is not None:
+            waiting = [s for s in sampling if s.num_pending_tokens and s in self.guided]
+            if waiting:
+                ids = self._wait(prev)
+                pending = {s: ids[prev.index[s]] for s in waiting}
+        return self.guided.masks(sampling, pending)
+
+    def _wait(self, rec: InFlight) -> list[int]:
+        t0 = time.perf_counter()
+        ids = rec.token_ids()
+        self.device_wait_s += time.perf_counter() - t0
+        return ids
+
     def collect(self, rec: InFlight) -> list[StepOutput]:
         """Outputs of a launched step's tokens: each row still live gets its token (its
         placeholder filled in, else appended), then ``advance``; other rows are dropped."""
@@ -175,9 +204,7 @@ class StepPipeline:
         get, advance, bm = self.requests.get, self.advance, self.bm
         bs = bm.block_size
         lps = rec.logprobs or [None] * len(rec.seqs)
-        t0 = time.perf_counter()
-        ids = rec.token_ids()
-        self.device_wait_s += time.perf_counter() - t0
+        ids = self._wait(rec)
         self.runner.check_healthy()  # tensor-parallel: a peer died under this step
         for seq, tok, lp in zip(rec.seqs, ids, lps, strict=True):
             req = get(seq.request_id)

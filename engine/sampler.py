@@ -1,8 +1,10 @@
 """Token sampling for one engine step, vectorised over the batch (vLLM v1 order).
 
 Per row: raw logprobs (log_softmax of the model's logits, what ``params.logprobs`` reports)
--> repetition / presence / frequency penalties -> min_tokens masking of stop ids and EOS
-(not EOS under ignore_eos, as vLLM) -> temperature (below ``SAMPLING_EPS``: greedy argmax of
+-> repetition / presence / frequency penalties -> logit_bias -> min_tokens masking of stop
+ids and EOS (not EOS under ignore_eos, as vLLM) -> the guided row's grammar mask (every
+token it does not allow set to -inf: ops.apply_token_bitmask, engine/guided.py builds the
+masks) -> temperature (below ``SAMPLING_EPS``: greedy argmax of
 the penalised, masked logits) -> top_k -> top_p -> min_p -> exponential race (Gumbel-max:
 argmax(logits / T - log E), E ~ Exp(1), samples softmax(logits / T) exactly), fused into one
 pass over the logits on CUDA (ops.gumbel_argmax).
@@ -13,12 +15,16 @@ so the token at output index i is a function of (seed, i, logits) alone: batch p
 other rows, preemption (recompute), crash resume (``num_output_tokens`` counts resumed
 output) and CPU vs CUDA (up to float rounding) do not change it. Unseeded rows of call c
 read consecutive, disjoint stretches of the stream keyed ``row_seed(default_seed, c)``.
-The input logits are never modified in place; they may be in the model's dtype.
+The input logits are never modified in place; they may be in the model's dtype. A greedy
+or seeded row without penalties, bias, min_tokens or grammar masks samples the same token
+whether or not other rows of its batch have them (an unseeded row's noise depends on its
+place among the step's rows anyway).
 """
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +38,9 @@ from pagedq.engine.sampling_ops import (  # noqa: F401  (re-exported: the sample
     stream_keys,
 )
 from pagedq.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from pagedq.engine.guided import GuidedMask
 
 
 @dataclass(slots=True)
@@ -58,20 +67,22 @@ class Sampler:
         self._calls = 0  # sampling calls so far: the unseeded rows' stream position
         self._prompt_ids: dict[Sequence, torch.Tensor] = {}
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        tokens, raw, lp_rows = self._tokens(logits, seqs)
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 guided: GuidedMask | None = None) -> SamplerOutput:
+        tokens, raw, lp_rows = self._tokens(logits, seqs, guided)
         ids = tokens.tolist()
         out_lp: list[TokenLogprobs | None] = [None] * len(seqs)
         if lp_rows:
             self._logprobs(raw, tokens, ids, seqs, lp_rows, out_lp)
         return SamplerOutput(token_ids=ids, logprobs=out_lp)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               guided: GuidedMask | None = None) -> torch.Tensor:
         """Token ids [R] int64 on the logits' device, the same as ``__call__``'s, without
         waiting for the device (every host->device copy is non-blocking). No logprobs."""
-        return self._tokens(logits, seqs)[0]
+        return self._tokens(logits, seqs, guided)[0]
 
-    def _tokens(self, logits: torch.Tensor, seqs: list[Sequence]):
+    def _tokens(self, logits: torch.Tensor, seqs: list[Sequence], guided: GuidedMask | None):
         V = self.vocab_size
         if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] < V:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} rows x {V}")
@@ -81,6 +92,9 @@ class Sampler:
         pen_rows: list[int] = []
         mask_r: list[int] = []
         mask_t: list[int] = []
+        bias_r: list[int] = []
+        bias_t: list[int] = []
+        bias_v: list[float] = []
         rand_rows: list[int] = []
         lp_rows: list[int] = []
         for i, s in enumerate(seqs):
@@ -92,13 +106,18 @@ class Sampler:
                 banned = eos.union(t for t in p.stop_token_ids if 0 <= t < V)
                 mask_r.extend([i] * len(banned))
                 mask_t.extend(banned)
+            if p.logit_bias:  # ids checked against the vocabulary at add_request
+                bias_r.extend([i] * len(p.logit_bias))
+                bias_t.extend(p.logit_bias)
+                bias_v.extend(p.logit_bias.values())
             if p.temperature >= SAMPLING_EPS:
                 rand_rows.append(i)
             if p.logprobs is not None:
                 lp_rows.append(i)
 
-        raw = logits[:, :V].float() if (lp_rows or pen_rows or mask_r) else None
-        if not (pen_rows or mask_r):  # fast paths: the logits as they are (columns past V:
+        edit = bool(pen_rows or mask_r or bias_r) or guided is not None  # logits change
+        raw = logits[:, :V].float() if (lp_rows or edit) else None
+        if not edit:  # fast paths: the logits as they are (columns past V:
             if not rand_rows:         # lm_head padding, never read)
                 tokens = _greedy(logits[:, :V])
             else:  # greedy rows ride along with temperature 0
@@ -107,12 +126,20 @@ class Sampler:
             x = raw.clone()
             if pen_rows:
                 x[_t(pen_rows, dev)] = self._penalised(x, seqs, pen_rows)
+            if bias_r:
+                x.index_put_((_t(bias_r, dev), _t(bias_t, dev)), _f(bias_v, dev),
+                             accumulate=True)
             if mask_r:
                 x[_t(mask_r, dev), _t(mask_t, dev)] = float("-inf")
-            tokens = _greedy(x)
-            if rand_rows:
-                idx = _t(rand_rows, dev)
-                tokens[idx] = self._sample(x[idx], [seqs[i] for i in rand_rows])
+            if guided is not None:
+                ops.apply_token_bitmask(x, _to(guided.bitmask, dev), _t(guided.rows, dev), V)
+            if len(rand_rows) == len(seqs):  # every row samples: no argmax to throw away
+                tokens = self._sample(x, seqs)
+            else:
+                tokens = _greedy(x)
+                if rand_rows:
+                    idx = _t(rand_rows, dev)
+                    tokens[idx] = self._sample(x[idx], [seqs[i] for i in rand_rows])
         return tokens, raw, lp_rows
 
     def _penalised(self, x: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:

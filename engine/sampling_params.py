@@ -1,7 +1,12 @@
 """Per-request sampling parameters (validated on construction)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from pagedq.engine.guided_spec import GuidedSpec
+
+LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this (OpenAI's range)
 
 
 @dataclass(slots=True)
@@ -21,6 +26,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token
     n: int = 1
+    # guided decoding: the output must match this spec (engine/guided_spec.py); it is
+    # compiled at add_request (a spec that cannot compile is a ValueError there)
+    guided: GuidedSpec | None = None
+    # token id -> added to its logit before sampling (after penalties, before the
+    # min_tokens and guided masks); ids are checked against the vocabulary at add_request
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +54,18 @@ class SamplingParams:
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+        if self.guided is not None and not isinstance(self.guided, GuidedSpec):
+            raise ValueError("guided must be a GuidedSpec (engine/guided_spec.py)")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must be a dict of token id -> bias")
+        for tok, bias in self.logit_bias.items():
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0 (got {tok!r})")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                    or not math.isfinite(bias) or abs(bias) > LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias values must be numbers in "
+                                 f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}] (got {bias!r} "
+                                 f"for token {tok})")
 
     @property
     def greedy(self) -> bool:

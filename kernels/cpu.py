@@ -28,7 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedq.kernels import reference
-from pagedq.kernels.cpu_sampling import gumbel_argmax  # noqa: F401  (an op of this module)
+from pagedq.kernels.cpu_sampling import (  # noqa: F401  (ops of this module)
+    apply_token_bitmask,
+    gumbel_argmax,
+)
 
 
 def _version(t: torch.Tensor) -> int:

@@ -1,4 +1,5 @@
-"""CPU sampling: reference.gumbel_argmax's contract and, up to the rounding of log, its
+"""CPU sampling: reference.apply_token_bitmask's contract (below), and
+reference.gumbel_argmax's contract and, up to the rounding of log, its
 results, without its cost on the CPU.
 
 The twin draws noise for every row and every vocabulary entry in one pass: about twenty
@@ -20,8 +21,11 @@ the tensor's shape and the thread count).
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from pagedq.kernels import reference
 from pagedq.kernels.reference import C1, C2, GAMMA, signed64
 
 TILE = 1 << 17  # elements of a sampled tile: its int64 temporaries (1 MB each) stay cached
@@ -93,3 +97,19 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
     tile = torch.stack(best, dim=1).argmax(dim=1, keepdim=True)  # the first best tile
     out[rows] = torch.stack(first, dim=1).gather(1, tile).squeeze(1)
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
+                        vocab_size: int) -> None:
+    """reference.apply_token_bitmask: numpy's unpackbits (one C pass) turns the inverted
+    words into one byte per banned token (words are little-endian: byte k of word w holds
+    bits 8k..8k+7), then only the masked rows are gathered, filled and written back."""
+    if sys.byteorder != "little":
+        reference.apply_token_bitmask(logits, bitmask, rows, vocab_size)
+        return
+    import numpy as np
+    words = torch.bitwise_not(bitmask).contiguous().numpy().view(np.uint8)
+    banned = torch.from_numpy(np.unpackbits(words, axis=1, bitorder="little")[:, :vocab_size])
+    sub = logits.index_select(0, rows)[:, :vocab_size]
+    logits[:, :vocab_size].index_copy_(0, rows, sub.masked_fill_(banned.view(torch.bool),
+                                                                 float("-inf")))

@@ -203,3 +203,16 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
     rows with T == 0: greedy). logits [R, >= vocab_size] any float dtype, read only;
     temperature [R] float32; keys [R] int64."""
     return gumbel_scores(logits, temperature, keys, vocab_size).argmax(dim=-1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
+                        vocab_size: int) -> None:
+    """In place: ``logits[rows[g], t] = -inf`` for every token t < vocab_size that row g
+    of ``bitmask`` does not allow. Bit t of a row is bit t % 32 of its word t // 32 (the
+    grammar library's layout); bits past vocab_size are ignored, columns past it untouched.
+    logits float [R, >= vocab_size]; bitmask int32 [G, ceil(vocab_size / 32)]; rows int64
+    [G], distinct."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+    sub = logits[rows, :vocab_size]
+    logits[rows, :vocab_size] = sub.masked_fill(~allowed, float("-inf"))

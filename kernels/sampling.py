@@ -1,4 +1,6 @@
-"""Fused Gumbel-max sampling: one pass over the logits per step, instead of torch's ~8
+"""Sampling kernels: the fused Gumbel-max sampler and the grammar's token mask.
+
+Fused Gumbel-max sampling: one pass over the logits per step, instead of torch's ~8
 full-vocabulary passes (divide, noise, clamp, log, neg, add, argmax, and the float copy).
 
 Grid (R, ceil(V / BLOCK)): program (r, j) reads logits[r, j*BLOCK : (j+1)*BLOCK] in its own
@@ -86,3 +88,42 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
                                BLOCK=block, G=GAMMA, M1=C1, M2=C2,
                                FAST_LOG=logits.device.type == "cuda", num_warps=8)
     return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+@triton.jit
+def _bitmask_kernel(x_ptr, s_xr, mask_ptr, s_mr, rows_ptr, V, BLOCK: tl.constexpr):
+    g = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < V
+    words = tl.load(mask_ptr + g.to(tl.int64) * s_mr + offs // 32, mask=inside, other=-1)
+    banned = ((words >> (offs % 32)) & 1) == 0
+    r = tl.load(rows_ptr + g).to(tl.int64)
+    tl.store(x_ptr + r * s_xr + offs, float("-inf"), mask=inside & banned)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
+                        vocab_size: int) -> None:
+    """See kernels/reference.py apply_token_bitmask (same signature and semantics). Grid
+    (G, ceil(V / BLOCK)): each program reads BLOCK / 32 mask words of its row and writes
+    -inf where a bit is 0; allowed logits are not touched."""
+    def bad(msg: str):
+        raise ValueError(f"apply_token_bitmask: {msg}")
+
+    words = triton.cdiv(vocab_size, 32)
+    if logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] < vocab_size:
+        bad(f"logits must be [R, >= {vocab_size}] with contiguous rows, got "
+            f"{tuple(logits.shape)} strides {logits.stride()}")
+    G = rows.shape[0]
+    if bitmask.dtype != torch.int32 or bitmask.shape != (G, words) or bitmask.stride(1) != 1:
+        bad(f"bitmask must be int32 [{G}, {words}] with contiguous rows, got "
+            f"{bitmask.dtype} {tuple(bitmask.shape)}")
+    if rows.dtype != torch.int64 or rows.dim() != 1:
+        bad(f"rows must be int64 [G], got {rows.dtype} {tuple(rows.shape)}")
+    if len({logits.device, bitmask.device, rows.device}) != 1:
+        bad("logits, bitmask and rows must be on one device")
+    if G == 0:
+        return
+    block = min(4096, triton.next_power_of_2(vocab_size))
+    _bitmask_kernel[(G, triton.cdiv(vocab_size, block))](
+        logits, logits.stride(0), bitmask, bitmask.stride(0), rows.contiguous(), vocab_size,
+        BLOCK=block, num_warps=4)

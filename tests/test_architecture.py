@@ -56,6 +56,17 @@ def test_scheduler_and_block_manager_do_not_import_torch():
     _loaded("import pagedq.engine.scheduler, pagedq.engine.block_manager", prefixes=("torch",))
 
 
+def test_guided_spec_validation_imports_no_torch():
+    """The client side and the gateway can refuse a bad guided spec at submit: the check
+    (and its library, llguidance) imports no torch, transformers or numpy."""
+    _loaded("from pagedq.engine.guided_spec import GuidedSpec, validate_guided\n"
+            "validate_guided(GuidedSpec('json_schema', '{\"type\": \"object\"}'))\n"
+            "validate_guided(GuidedSpec('regex', '[0-9]+'))\n"
+            "try:\n    validate_guided(GuidedSpec('regex', 'a('))\n"
+            "except ValueError:\n    pass\nelse:\n    raise AssertionError('a( compiled')",
+            prefixes=("torch", "transformers", "numpy"))
+
+
 def test_kernels_import_nothing_from_engine():
     for name in os.listdir(os.path.join(ROOT, "kernels")):
         if name.endswith(".py"):

@@ -42,6 +42,32 @@ def test_cuda_engine_greedy_equals_cpu_reference(arch, tiny_model_dir):
     assert graphs == ref
 
 
+def test_cuda_guided_rows_async_equal_cpu_reference(tiny_model_dir):
+    """Guided rows on CUDA with async scheduling (masks built from the step in flight's
+    tokens, pinned, applied by the Triton mask kernel) give the CPU engine's greedy tokens,
+    beside unguided rows, through CUDA graphs."""
+    from pagedq.engine.guided_spec import GuidedSpec
+    folder = str(tiny_model_dir("Qwen3ForCausalLM"))
+    rng = random.Random(5)
+    prompts = [rng.choices(range(250), k=n) for n in (9, 40, 3, 70)]
+    schema = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+              "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99999},
+                             "b": {"type": "array", "items": {"enum": ["x", "yz"]}}}}
+    specs = [GuidedSpec.of("json_schema", schema), None, GuidedSpec("regex", "[a-f]{2,9}-[0-9]{3}"),
+             GuidedSpec.of("choice", ["left", "right"])]
+    arrivals = {0: [(f"g{k}", p, SamplingParams(max_tokens=32, temperature=0.0, guided=s))
+                    for k, (p, s) in enumerate(zip(prompts[:2], specs[:2], strict=True))],
+                3: [(f"g{k}", p, SamplingParams(max_tokens=32, temperature=0.0, guided=s))
+                    for k, (p, s) in enumerate(zip(prompts[2:], specs[2:], strict=True), 2)]}
+    cfg = dict(dtype="float32", block_size=16, num_kv_blocks=64, max_num_batched_tokens=64,
+               max_num_seqs=8)
+    ref = run(LLMEngine(folder, device="cpu", **cfg), arrivals)
+    eng = LLMEngine(folder, device="cuda", **cfg)
+    assert eng.pipeline.allow_async and eng.runner.graphs
+    assert run(eng, arrivals) == ref
+    assert eng.guided.cache.compiles == 3 and not eng.guided
+
+
 def test_device_memory_stays_within_gpu_memory_utilization(tmp_path):
     """The KV cache's budget leaves room for the CUDA graphs' pools (decode and piecewise)
     and a full step's activations: after steps of every kind, the device memory in use

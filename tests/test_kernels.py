@@ -37,7 +37,8 @@ if INTERP:
     from triton.runtime.interpreter import InterpretedFunction
     for _m, _k in ((dec, "_decode_kernel"), (norm, "_rms_kernel"), (pre, "_prefill_kernel"),
                    (rot, "_rotary_kernel"), (store, "_store_kernel"), (rs, "_rope_store_kernel"),
-                   (samp, "_gumbel_kernel"), (act, "_silu_mul_kernel")):
+                   (samp, "_gumbel_kernel"), (samp, "_bitmask_kernel"),
+                   (act, "_silu_mul_kernel")):
         if not isinstance(getattr(_m, _k), InterpretedFunction):
             importlib.reload(_m)
 
@@ -389,6 +390,29 @@ def test_gumbel_argmax_cpu():
     check_gumbel(6, 700, 0, BF, seed=1)
 
 
+def check_bitmask(rows: int, vocab: int, pad: int, picked: list[int], seed: int = 0):
+    """The Triton mask writes -inf exactly where the twin does, leaves every other element
+    (other rows, allowed tokens, padding columns) bit for bit as it was."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab + pad, generator=g)
+    words = -(-vocab // 32)
+    mask = torch.randint(-2**31, 2**31, (len(picked), words), generator=g, dtype=torch.int64)
+    mask = mask.to(torch.int32)
+    mask[0, : words // 2] = -1  # all allowed
+    idx = torch.tensor(picked)
+    ref = x.clone()
+    R.apply_token_bitmask(ref, mask, idx, vocab)
+    got = x.to(DEV)
+    samp.apply_token_bitmask(got, mask.to(DEV), idx.to(DEV), vocab)
+    assert torch.equal(got.cpu(), ref)
+
+
+@cpu
+def test_apply_token_bitmask_cpu():
+    check_bitmask(5, 3000, 5, [3, 0, 4])
+    check_bitmask(2, 70, 0, [1], seed=1)  # vocab not a multiple of 32
+
+
 # ---------------------------------------------------------------- layout errors (any device)
 def test_layout_errors_raise_valueerror():
     q, kc, vc, bt, lens, cu = make_batch([5, 9], [1, 1], 4, 2, 32, 16, F32, "cpu")
@@ -511,6 +535,13 @@ def test_rope_store_gpu(dtype, qk_norm):
     check_rope_store(300, 16, 8, 128, 16, dtype, FP8, qk_norm, v_t=True)  # engine's fp8
     check_rope_store(65, 16, 8, 128, 16, dtype, FP8, qk_norm, ks=0.5, vs=4.0, v_t=True)
     check_rope_store(65, 8, 8, 256, 32, dtype, FP8, qk_norm, ks=1.5, vs=0.3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_apply_token_bitmask_gpu():
+    check_bitmask(256, 151936, 64, list(range(0, 256, 10)))
+    check_bitmask(8, 49152, 0, list(range(8)), seed=1)
 
 
 @pytest.mark.gpu

@@ -202,6 +202,28 @@ def test_decode_order_only_where_the_triton_kernel_runs(monkeypatch):
     assert ops.unknown_ablations("rms_norm,rotary,foo") == ["foo", "rotary"]
 
 
+@pytest.mark.parametrize("rows,vocab,pad,picked", [
+    (4, 100, 0, [2, 0]), (3, 4099, 7, [0, 1, 2]), (1, 32, 3, [0])])
+def test_apply_token_bitmask_is_the_twin_and_the_bit_layout(rows, vocab, pad, picked):
+    """The CPU mask equals the twin's; both equal a loop over the bits as the grammar
+    library writes them (bit t: word t // 32, bit t % 32), and padding columns stay."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(rows, vocab + pad, generator=g)
+    words = -(-vocab // 32)
+    mask = torch.randint(-2**31, 2**31, (len(picked), words), generator=g,
+                         dtype=torch.int64).to(torch.int32)
+    idx = torch.tensor(picked)
+    loop = x.clone()
+    for gi, r in enumerate(picked):
+        for tok in range(vocab):
+            if not (int(mask[gi, tok // 32]) >> (tok % 32)) & 1:
+                loop[r, tok] = float("-inf")
+    ref, got = x.clone(), x.clone()
+    R.apply_token_bitmask(ref, mask, idx, vocab)
+    C.apply_token_bitmask(got, mask, idx, vocab)
+    assert torch.equal(ref, loop) and torch.equal(got, loop)
+
+
 def gumbel_case(rows, vocab, pad, dtype, seed, greedy_every=3):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, vocab + pad, generator=g) * 4).to(dtype)

@@ -1,4 +1,5 @@
-"""Sampler: greedy, masks (exact supports), penalties, min_tokens, seeds, logprobs, statistics."""
+"""Sampler: greedy, masks (exact supports), penalties, min_tokens, logit_bias, grammar masks,
+seeds, logprobs, statistics."""
 from __future__ import annotations
 
 import math
@@ -7,6 +8,7 @@ import random
 import pytest
 import torch
 
+from pagedq.engine.guided import GuidedMask
 from pagedq.engine.sampler import (
     Sampler,
     TokenLogprobs,
@@ -187,6 +189,55 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached(device):
         no_eos = [seq(out=[0], temperature=temp, ignore_eos=True, **kw) for _ in range(300)]
         ids = sampler(prob_logits(300, device, probs), no_eos).token_ids
         assert set(ids) == ({4} if temp == 0 else {0, 1, 2, 4})
+
+
+def bitmask(allowed: list[set[int]], V: int) -> torch.Tensor:
+    """int32 [G, ceil(V / 32)]: bit t of row g set iff t in allowed[g] (llguidance's layout)."""
+    words = [[0] * (-(-V // 32)) for _ in allowed]
+    for g, toks in enumerate(allowed):
+        for t in toks:
+            words[g][t // 32] |= 1 << (t % 32)
+    return torch.tensor([[w - (1 << 32) if w >= 1 << 31 else w for w in row] for row in words],
+                        dtype=torch.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grammar_masks_and_bias_leave_other_rows_bit_identical(device):
+    """Guided rows sample only tokens their mask allows (greedy: the best of them; sampled:
+    every allowed one, nothing else); greedy and seeded rows beside them, and beside
+    logit_bias rows, get exactly the tokens of a batch without those rows."""
+    V = 300
+    g = torch.Generator().manual_seed(5)
+    plain = [dict(temperature=0.0), dict(temperature=0.8, seed=3), dict(temperature=1.2, seed=4,
+             top_k=50), dict(temperature=0.0, min_p=0.1), dict(temperature=0.7, seed=8, top_p=0.9)]
+    allowed = [{3, 77, 299}, {0, 1, 2, 200}]
+    for step in range(20):
+        logits = (torch.randn(len(plain) + 3, V, generator=g) * 3).to(device)
+        alone = Sampler(V, set())(logits[:len(plain)], [seq(**c) for c in plain]).token_ids
+        batch = [seq(**c) for c in plain] + [seq(temperature=0.0), seq(temperature=1.0),
+                                             seq(temperature=0.0, logit_bias={9: 100.0})]
+        mask = GuidedMask([len(plain), len(plain) + 1], bitmask(allowed, V))
+        out = Sampler(V, set(), default_seed=step)(logits, batch, mask).token_ids
+        assert out[:len(plain)] == alone
+        assert out[-3] == max(allowed[0], key=lambda t: logits[-3, t].item())
+        assert out[-2] in allowed[1] and out[-1] == 9
+    hot = [seq(temperature=1.0) for _ in range(400)]
+    flat = torch.zeros(400, V, device=device)
+    mask = GuidedMask(list(range(400)), bitmask([allowed[1]] * 400, V))
+    assert set(Sampler(V, set())(flat, hot, mask).token_ids) == allowed[1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_adds_to_the_logits_and_logprobs_stay_raw(device):
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 3, device=device)
+    seqs = [seq(temperature=0.0, logprobs=1), seq(temperature=0.0, logit_bias={3: 3.5}),
+            seq(temperature=0.0, logit_bias={0: -1.5, 2: 2.9}, logprobs=0)]
+    out = Sampler(4, set())(logits, seqs)
+    assert out.token_ids == [0, 3, 2]
+    raw = torch.log_softmax(logits[0].cpu(), -1)
+    assert out.logprobs[0].logprob == pytest.approx(raw[0].item())
+    assert out.logprobs[2].logprob == pytest.approx(raw[2].item())  # the model's, unbiased
+    assert out.logprobs[2].rank == 3
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -29,6 +29,7 @@ TRITON_MODULES = {
     "apply_rotary": "pagedq.kernels.rotary",
     "qk_norm_rope_store": "pagedq.kernels.rope_store",
     "gumbel_argmax": "pagedq.kernels.sampling",
+    "apply_token_bitmask": "pagedq.kernels.sampling",
     "silu_and_mul": "pagedq.kernels.activation",
 }
 
@@ -139,6 +140,10 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
 
 def gumbel_argmax(logits, temperature, keys, vocab_size):
     return _op("gumbel_argmax", logits)(logits, temperature, keys, vocab_size)
+
+
+def apply_token_bitmask(logits, bitmask, rows, vocab_size):
+    _op("apply_token_bitmask", logits)(logits, bitmask, rows, vocab_size)
 
 
 def silu_and_mul(x):

@@ -1,0 +1,130 @@
+"""Guided-decoding specs: what a request's output must match, and the check that a spec
+compiles. Imports no torch (and no transformers): the client side and the gateway call
+``validate_guided`` to refuse a bad spec at submit; its library, llguidance, is imported
+only when a spec is checked or compiled, and imports no torch itself (bench/guided.py
+prints both facts).
+
+A spec is a kind and a text (``GuidedSpec``):
+
+  json_schema  text is a JSON Schema (JSON text); the output is one JSON value valid
+               against it, properties in the schema's order
+  json_object  text is empty; the output is one JSON object (any keys)
+  regex        text is a regular expression (Rust regex syntax) the whole output matches
+  choice       text is a JSON array of strings; the output is exactly one of them
+  grammar      text is a context-free grammar in Lark syntax (llguidance's dialect, start
+               rule ``start``) or GBNF (root rule ``root``), converted to Lark
+
+JSON is written as Python's json.dumps writes it: ", " between items, ": " after keys, no
+other whitespace (a small model given free whitespace may pad its output with newlines
+until max_tokens); a schema may override that with llguidance's ``x-guidance`` options.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# llguidance's JSON options for every schema (a schema's own "x-guidance" overrides them)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_SPEC_CHARS = 1 << 20  # a spec's text; larger ones are refused before compiling
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedSpec:
+    """What a request's output must match (module doc). Hashable: the grammar cache's key."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise ValueError(f"guided kind must be one of {', '.join(GUIDED_KINDS)} "
+                             f"(got {self.kind!r})")
+        if not isinstance(self.text, str):
+            raise ValueError(f"guided {self.kind}: text must be a string")
+        if len(self.text) > MAX_SPEC_CHARS:
+            raise ValueError(f"guided {self.kind}: text has {len(self.text)} characters; at "
+                             f"most {MAX_SPEC_CHARS} are allowed")
+        if self.kind == "json_object" and self.text:
+            raise ValueError("guided json_object takes no text")
+        if self.kind != "json_object" and not self.text:
+            raise ValueError(f"guided {self.kind}: text is empty")
+
+    @classmethod
+    def of(cls, kind: str, value: Any = "") -> GuidedSpec:
+        """A spec from a Python value: a schema as a dict (or JSON text), choices as a list
+        of strings (or JSON text), a regex or grammar as text."""
+        if kind == "json_schema" and isinstance(value, dict):
+            value = json.dumps(value)
+        elif kind == "choice" and isinstance(value, (list, tuple)):
+            value = json.dumps(list(value))
+        return cls(kind, value)
+
+
+def library():
+    """The llguidance module (imported here, on first use); ValueError when missing."""
+    try:
+        import llguidance
+    except ImportError:
+        raise ValueError("guided decoding needs the llguidance package "
+                         "(pip install 'pagedq[worker]')") from None
+    return llguidance
+
+
+def _choices(text: str) -> list[str]:
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"guided choice: text is not a JSON array ({e})") from None
+    if not (isinstance(items, list) and items
+            and all(isinstance(s, str) and s for s in items)):
+        raise ValueError("guided choice: text must be a JSON array of non-empty strings")
+    return items
+
+
+def grammar_of(spec: GuidedSpec) -> str:
+    """The llguidance grammar (its JSON text) of a spec; ValueError for text that is not
+    what its kind needs (not JSON, not a list of strings). Whether the grammar compiles is
+    ``validate_guided``'s question (or the engine's, with the tokenizer)."""
+    lib = library()
+    matcher = lib.LLMatcher
+    if spec.kind in ("json_schema", "json_object"):
+        if spec.kind == "json_object":
+            schema: Any = {"type": "object"}
+        else:
+            try:
+                schema = json.loads(spec.text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"guided json_schema: text is not JSON ({e})") from None
+            if not isinstance(schema, dict):
+                raise ValueError("guided json_schema: a schema is a JSON object")
+        return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    if spec.kind == "regex":
+        return matcher.grammar_from_regex(spec.text)
+    if spec.kind == "choice":
+        lark = "start: " + " | ".join(json.dumps(s) for s in _choices(spec.text))
+        return matcher.grammar_from_lark(lark)
+    try:
+        return lib.grammar_from("grammar", spec.text)  # Lark, or GBNF converted to Lark
+    except ValueError as e:
+        raise ValueError(f"guided grammar: {one_line(str(e))}") from None
+
+
+def one_line(message: str) -> str:
+    """A library error on one line: its first line, and its ``error:`` line if any (regex
+    and Lark errors draw the spot on the lines between)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return "invalid"
+    detail = next((line[6:].strip() for line in lines[1:] if line.startswith("error:")), "")
+    return f"{lines[0]} {detail}".strip()
+
+
+def validate_guided(spec: GuidedSpec) -> None:
+    """Raise ValueError (one line: the kind, what is wrong) unless ``spec`` compiles. No
+    tokenizer is needed, nor torch: about a millisecond for a schema (bench/guided.py). The
+    engine compiles it again against its vocabulary at add_request."""
+    error = library().LLMatcher.validate_grammar(grammar_of(spec))
+    if error:
+        raise ValueError(f"guided {spec.kind}: {one_line(error)}")
