@@ -25,6 +25,7 @@ graphs: with 32, the first step's 10,240 tokens run eagerly anyway).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -37,11 +38,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def import_engine(tree: str):
     """(LLMEngine, SamplingParams) of the tree at DIR."""
     sys.path.insert(0, tree)
-    if os.path.isdir(os.path.join(tree, "pagedq")):
-        from pagedq.engine import LLMEngine, SamplingParams
-    else:  # an old tree: engine/ and kernels/ as top-level packages
-        from engine import LLMEngine, SamplingParams
-    return LLMEngine, SamplingParams
+    # an old tree has engine/ and kernels/ as top-level packages (before they were
+    # pagedq.engine and pagedq.kernels): imported by that name, from that tree only
+    engine = importlib.import_module(
+        "pagedq.engine" if os.path.isdir(os.path.join(tree, "pagedq")) else "engine")
+    return engine.LLMEngine, engine.SamplingParams
 
 
 def prompts(seed: int, n: int, prefix_len: int, suffix_len: int) -> list[list[int]]:
