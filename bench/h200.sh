@@ -2,7 +2,11 @@
 # The GPU figures of issue 4 in one go (run from the repo root on the H200 machine; OUT is
 # the folder for JSON results). What each line measures is in bench/*.py's docstrings.
 #   bash bench/h200.sh [tests] [main] [ablations] [profile] [kernels] [service] [openloop]
-#                      [prefill] [rediscost] [guided]
+#                      [prefill] [rediscost] [guided] [round3]
+# (round3: bench/round3.py, issue 28's one call: every decode variant at workload 1's batch
+# sizes, workload 1 with the best ones, the shared-prefix A/B; ~6-7 min on an empty Triton
+# cache; run `bash bench/old_trees.sh` in a checkout first so that .whl/trees holds the old
+# engines it compares)
 # (openloop: 301 s on the H200, closed run and worker start included: give it a call of its
 # own or little beside it; it draws its PNGs where matplotlib is, else python bench/plot.py JSON)
 set -u
@@ -35,6 +39,8 @@ for s in $steps; do
     openloop) export PAGEDQ_REDIS_SERVER=${PAGEDQ_REDIS_SERVER:-$PWD/.whl/redis-server}
               timeout 580 python3 bench/service.py --rate auto --duration 30 --settle 5 \
                 --out "$OUT" 2>&1 | grep -v -i warn | tail -12 ;;
+    round3) PYTHONUNBUFFERED=1 timeout 590 python3 bench/round3.py --prefix --out "$OUT" 2>&1 \
+              | grep -v -i warn ;;
     prefill) timeout 300 python3 bench/prefill.py --out "$OUT" 2>&1 | grep -v -i warn | tail -6 ;;
     guided) # tok/s of workload 1 with 0%, 10% and 100% guided rows (needs llguidance, carried
             # in .whl/); async (the default) then synchronous: what guided rows cost each way

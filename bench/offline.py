@@ -10,6 +10,7 @@ sampled every 8th step.
   python bench/offline.py [--shape qwen3-0.6b|llama-3.2-1b|llama-3.1-8b|llama-3.1-70b|tiny]
                           [--num-seqs 256] [--tensor-parallel-size N]
                           [--enforce-eager] [--disable fused_add_rms_norm,qk_norm_rope_store]
+                          [--decode-variant swap8:st=3]
 (--disable qk_norm_rope_store runs the unfused norm / rotary / store kernels instead: see
 engine/layers/ops.py; list those too for their torch twins, with --enforce-eager.)
 (bench/tp.py runs it at several --tensor-parallel-size values and compares.)
@@ -90,7 +91,7 @@ def triton_variants() -> int:
     this process. A compile inside the timed call costs seconds; the bench reports it."""
     n = 0
     for name, mod in list(sys.modules.items()):
-        if not name.startswith("kernels.") or mod is None:
+        if not name.startswith(("kernels.", "pagedq.kernels.")) or mod is None:
             continue
         for obj in vars(mod).values():
             for entry in getattr(obj, "device_caches", {}).values():
@@ -151,6 +152,10 @@ def main() -> int:
                     help="kernels to replace by their torch twins; decode_order: decode "
                          "rows launched in batch order, not longest first; piecewise_graphs: "
                          "steps that prefill run the eager model")
+    ap.add_argument("--decode-variant", default="",
+                    help="the decode attention variant for this run's cache kind, as "
+                         "kernels/decode_attention.py parse_variant reads it (e.g. "
+                         "swap8:st=3); default: that module's DEFAULTS")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks sharing the model: one process per GPU, cuda:0..N-1")
@@ -159,6 +164,13 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="clip prompts/outputs to 16 tokens")
     args = ap.parse_args()
     set_ablations(ap, args.disable)
+    if args.decode_variant:  # before the engine: its CUDA graphs capture the kernel they see
+        from pagedq.kernels import decode_attention
+        try:
+            decode_attention.use_variant("fp8" if args.kv_cache_dtype == "fp8" else "16bit",
+                                         args.decode_variant)
+        except ValueError as e:
+            ap.error(f"--decode-variant: {e}")
     import torch
 
     from pagedq.engine import LLMEngine, SamplingParams
@@ -186,7 +198,8 @@ def main() -> int:
     res["triton_compiles_in_timed_run"] = triton_variants() - compiled
     res.update(shape=args.shape, num_seqs=args.num_seqs, enforce_eager=args.enforce_eager,
                async_scheduling=not args.no_async, kv_cache_dtype=args.kv_cache_dtype,
-               disabled=args.disable, prompt_tokens=sum(map(len, prompts)),
+               disabled=args.disable, decode_variant=args.decode_variant or None,
+               prompt_tokens=sum(map(len, prompts)),
                expected_output_tokens=sum(p.max_tokens for p in params),
                num_kv_blocks=engine.runner.num_kv_blocks, load_s=load_s,
                tensor_parallel_size=args.tensor_parallel_size,
@@ -210,7 +223,9 @@ def main() -> int:
               (f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "") + \
               ("-sync" if args.no_async else "") + \
               ("-fp8" if args.kv_cache_dtype == "fp8" else "") + \
-              (f"-no-{args.disable.replace(',', '+')}" if args.disable else "")
+              (f"-no-{args.disable.replace(',', '+')}" if args.disable else "") + \
+              (f"-dv-{args.decode_variant.translate(str.maketrans(':,=', '-+_'))}"
+               if args.decode_variant else "")
         with open(os.path.join(args.out, f"offline-{tag}.json"), "w") as f:
             json.dump(res, f, indent=1)
     assert res["output_tokens"] == res["expected_output_tokens"], "lost tokens"

@@ -11,7 +11,7 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: int | None = None  # set iff this block is the entry cached[block_hash]
     parent_hash: int | None = None  # stored with token_ids to verify hits
-    token_ids: tuple[int, ...] | None = None
+    token_ids: bytes | None = None  # its ids as int64 bytes (block_manager.block_bytes)
     prev: KVBlock | None = None  # free-queue links; both None iff not in the queue
     next: KVBlock | None = None
 

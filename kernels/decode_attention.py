@@ -1,7 +1,8 @@
 """Paged decode attention (one query token per sequence), GQA-aware, split-K.
 
 Grid (Hkv, B, S): program (h, i, s) holds the G = Hq // Hkv query heads of KV head h of
-sequence b = order[i] (b = i without an order) as the rows of one [G_PAD, D] tile, so each
+sequence b = order[i] (b = i without an order) against its tiles of BLOCK_N tokens (one
+online-softmax step each: kernels/decode_tile.py, in the form and dots of the variant), so each
 KV block is read from memory once per group. Programs start in grid order, so an order
 with the longest contexts first (``longest_first``) leaves only short programs for the
 last wave (H200, workload-1 contexts in random order: B 180 x 400-1,900 tokens 215.6
@@ -13,82 +14,37 @@ writes a normalised partial [B, Hq, S, D] fp32 plus its log2-sum-exp [B, Hq, S],
 `_reduce_kernel` (grid (B, Hq)) merges the splits.
 Scores live in the log2 domain: q.k is multiplied by scale * log2(e).
 
-Caches are read through their strides: K token-major, V token-major or transposed
-(kernels/layout.py). A tile of a transposed V is loaded as [D, BLOCK_N] with the BS tokens of
-each block contiguous, which is the operand order the P.V MMA wants: an 8-bit tile read
-token-major would have to be transposed byte by byte in shared memory. With a transposed V
-the loop runs over whole tiles without masks and the last, partial tile reads whole blocks
-and zeroes the slots past the split's end (they may hold any bits, NaN included); with a
-token-major V every tile is masked per token, as before.
+Caches are read through their strides (kernels/layout.py); the engine's fp8 V is
+transposed, so that 8-bit P.V operands need no byte-wise transpose (kernels/decode_tile.py).
+With a transposed V the loop runs over whole tiles without masks and the last, partial tile
+reads whole blocks; with a token-major V every tile is masked per token.
 
-Speed (H200, docs/benchmarks.md "Decode attention"): the kernel is latency-bound per tile, not bandwidth-bound,
-once the cache is fp8: the same tile code reads bf16 at ~4.1 TB/s but fp8 at ~2.5 TB/s with
-the bf16 knobs, with or without e4m3 conversions (an fp8 tensor-core variant and an
-integer-only conversion were no faster). What pays is more programs per SM: fp8 runs one
-warp per program (3.0 TB/s of fp8 bytes, 0.70x the bf16 kernel's time); bf16 keeps 4.
+Variants (VARIANTS; DEFAULTS picks what paged_decode_attention runs per cache kind):
+  tile: the heads as the dots' rows, fp8 tiles converted to fp16 in registers.
+  swap: the tokens as the dots' rows, in a warpgroup (4 warps), so that Triton emits wgmmas
+    (it does from a 64-token M and a 16-column N); fp8 tiles converted as in tile.
+  swap8: swap with e4m3 wgmmas on the cache's own bytes (no conversion of K or V).
+Speed (H200, docs/benchmarks.md "Decode attention"): tile is latency-bound per tile once the
+cache is fp8: it reads bf16 at ~4.1 TB/s but fp8 at ~2.5 TB/s with the bf16 knobs, with or
+without e4m3 conversions. More programs per SM paid: fp8 tile runs one warp per program (3.0
+TB/s of fp8 bytes, 0.70x the bf16 kernel's time); bf16 keeps 4. Compiled for sm_90 by Triton
+3.6 (ptxas), that one-warp program takes 255 registers and spills; swap8's takes ~100 with
+no conversions: bench/round3.py times them all.
 """
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedq.kernels import decode_tile as tile
 from pagedq.kernels.layout import check_paged_qkv, is_transposed
 
 _LOG2E = 1.4426950408889634
-_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a fully masked row never makes inf - inf
-
-
-@triton.jit
-def _tile(q, m_i, l_i, acc, start, hi, bt_row, k_base, v_base, qk_scale,
-          s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
-          BS: tl.constexpr, F32_DOT: tl.constexpr, V_T: tl.constexpr, MASKED: tl.constexpr):
-    """One BLOCK_N-token tile of online softmax; returns (m, l, acc). MASKED: the tile may
-    hold tokens >= hi (only blocks holding a token < hi are read)."""
-    tok = start + offs_n
-    slot = tok % BS
-    if MASKED:
-        tmask = tok < hi
-        blk = tl.load(bt_row + tok // BS, mask=tmask, other=0).to(tl.int64)
-        k = tl.load(k_base + blk[:, None] * s_kb + slot[:, None] * s_kt + offs_d[None, :] * s_kd,
-                    mask=tmask[:, None], other=0.0)
-    else:
-        blk = tl.load(bt_row + tok // BS).to(tl.int64)
-        k = tl.load(k_base + blk[:, None] * s_kb + slot[:, None] * s_kt + offs_d[None, :] * s_kd)
-    if F32_DOT:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))
-    s = s * qk_scale
-    if MASKED:
-        s = tl.where(tmask[None, :], s, _NEG)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if V_T:
-        voff = blk[None, :] * s_vb + slot[None, :] * s_vt + offs_d[:, None] * s_vd
-        voff = tl.max_contiguous(tl.multiple_of(voff, [1, BS]), [1, BS])
-        if MASKED:
-            bmask = tl.max_constancy((tok // BS) * BS < hi, [BS])
-            vt = tl.load(v_base + voff, mask=bmask[None, :], other=0.0)
-            vt = tl.where(tmask[None, :], vt, 0.0)
-        else:
-            vt = tl.load(v_base + voff)
-        v = tl.trans(vt)
-    else:
-        voff = blk[:, None] * s_vb + slot[:, None] * s_vt + offs_d[None, :] * s_vd
-        if MASKED:
-            v = tl.load(v_base + voff, mask=tmask[:, None], other=0.0)
-        else:
-            v = tl.load(v_base + voff)
-    if F32_DOT:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 # Step-varying arguments are not specialised (see prefill_attention._prefill_kernel).
@@ -101,7 +57,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, pa
                    HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                    D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                    SINGLE: tl.constexpr, F32_DOT: tl.constexpr, FP8_KV: tl.constexpr,
-                   V_T: tl.constexpr, ORDERED: tl.constexpr):
+                   V_T: tl.constexpr, ORDERED: tl.constexpr, SWAP: tl.constexpr,
+                   MMA8: tl.constexpr):
     kvh = tl.program_id(0)  # fastest: the Hkv programs of a sequence read each block together
     b = tl.program_id(1)
     if ORDERED:
@@ -119,39 +76,53 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, pa
     gmask = offs_g < G
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :],
                 mask=gmask[:, None], other=0.0)
-    if FP8_KV:  # e4m3 -> fp16 is one instruction on sm89+ (-> bf16 is not): fp16 dots
-        q = q.to(tl.float16)
+    qa, qb, rscale = tile.prepare_q(q, qk_scale, SWAP, MMA8, FP8_KV)
 
-    m_i = tl.full([G_PAD], _NEG, tl.float32)
+    m_i = tl.full([G_PAD], tile.NEG, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
+    if SWAP:
+        acc = tl.zeros([D, G_PAD], tl.float32)  # transposed: the heads are columns
+    else:
+        acc = tl.zeros([G_PAD, D], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
     k_base = k_ptr + kvh * s_kh
     v_base = v_ptr + kvh * s_vh
     if V_T:  # unmasked whole tiles, then one masked tile (V's partial block: any bits)
         full = lo + (hi - lo) // BLOCK_N * BLOCK_N
         for start in tl.range(lo, full, BLOCK_N):
-            m_i, l_i, acc = _tile(q, m_i, l_i, acc, start, hi, bt_row, k_base, v_base,
-                                  qk_scale, s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
-                                  BS, F32_DOT, V_T, False)
+            m_i, l_i, acc = tile.tile(qa, qb, rscale, m_i, l_i, acc, start, hi, bt_row, k_base,
+                                      v_base, s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
+                                      BS, F32_DOT, V_T, False, SWAP, MMA8)
         if full < hi:
-            m_i, l_i, acc = _tile(q, m_i, l_i, acc, full, hi, bt_row, k_base, v_base,
-                                  qk_scale, s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
-                                  BS, F32_DOT, V_T, True)
+            m_i, l_i, acc = tile.tile(qa, qb, rscale, m_i, l_i, acc, full, hi, bt_row, k_base,
+                                      v_base, s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
+                                      BS, F32_DOT, V_T, True, SWAP, MMA8)
     else:  # token-major V: every tile masked (the split loop made bf16 slower at B = 256)
         for start in tl.range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _tile(q, m_i, l_i, acc, start, hi, bt_row, k_base, v_base,
-                                  qk_scale, s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
-                                  BS, F32_DOT, V_T, True)
+            m_i, l_i, acc = tile.tile(qa, qb, rscale, m_i, l_i, acc, start, hi, bt_row, k_base,
+                                      v_base, s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
+                                      BS, F32_DOT, V_T, True, SWAP, MMA8)
 
-    # empty range (L_b == 0 or an idle split): 0; v_scale folded in here, k_scale in qk_scale
-    o = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
-    if SINGLE:
-        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    # empty range (L_b == 0 or an idle split): 0; v_scale (and MMA8's p scale) folded in
+    # here, k_scale in qk_scale
+    if MMA8:
+        v_scale = v_scale / tile.P8_SCALE
+    inv = v_scale / tl.where(l_i > 0, l_i, 1.0)
+    row = (b * HQ + heads) * splits + split
+    if SWAP:
+        o = acc * inv[None, :]
+        o_off = heads[None, :] * s_oh + offs_d[:, None]
+        p_off = row[None, :] * D + offs_d[:, None]
+        omask = gmask[None, :]
     else:
-        row = (b * HQ + heads) * splits + split
-        tl.store(part_ptr + row[:, None] * D + offs_d[None, :], o, mask=gmask[:, None])
+        o = acc * inv[:, None]
+        o_off = heads[:, None] * s_oh + offs_d[None, :]
+        p_off = row[:, None] * D + offs_d[None, :]
+        omask = gmask[:, None]
+    if SINGLE:
+        tl.store(out_ptr + b * s_ob + o_off, o.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        tl.store(part_ptr + p_off, o, mask=omask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + row, lse, mask=gmask)
 
@@ -240,12 +211,59 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, order) -> None:
         bad(f"all tensors must be on one device, got {devs}")
 
 
+# The kernel's variants (kernels/decode_tile.py): its form (rows or swap) and its dots.
+VARIANTS = {
+    "tile": dict(swap=False, mma8=False),  # q heads as the dots' rows; fp8 tiles -> fp16
+    "swap": dict(swap=True, mma8=False),  # tokens as the dots' rows; fp8 tiles -> fp16
+    "swap8": dict(swap=True, mma8=True),  # tokens as rows; e4m3 dots on the cache's bytes
+}
+_KNOBS = {"bn": "block_n", "w": "num_warps", "st": "num_stages", "sm": "per_sm",
+          "splits": "num_splits"}
+# What paged_decode_attention runs, per cache kind ("fp8": float8_e4m3fn; "16bit": the
+# others): a variant spec, "name" or "name:knob=value,...", knobs as in parse_variant.
+DEFAULTS = {"fp8": "tile", "16bit": "tile"}
+
+
+@functools.cache
+def parse_variant(spec: str) -> Mapping[str, object]:
+    """"swap8:w=1,bn=64,st=2,sm=8" -> decode_launch keywords (variant, block_n, num_warps,
+    num_stages, per_sm, num_splits), read-only. ValueError (one line) on a bad spec."""
+    name, _, knobs = spec.partition(":")
+    if name not in VARIANTS:
+        raise ValueError(f"decode variant {name!r}: not one of {', '.join(VARIANTS)}")
+    out: dict = {"variant": name}
+    for item in filter(None, knobs.split(",")):
+        key, eq, value = item.partition("=")
+        if key not in _KNOBS or not eq or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"decode variant {spec!r}: bad knob {item!r} (knobs: "
+                             f"{', '.join(f'{k}=N' for k in _KNOBS)})")
+        out[_KNOBS[key]] = int(value)
+    return MappingProxyType(out)
+
+
+def use_variant(cache: str, spec: str) -> None:
+    """Make ``spec`` what paged_decode_attention runs for caches of kind ``cache`` ("fp8" or
+    "16bit"), in this process (bench/offline.py --decode-variant: before the engine starts,
+    since CUDA graphs capture the kernel they see)."""
+    if cache not in DEFAULTS:
+        raise ValueError(f"decode variant cache kind {cache!r}: not one of {', '.join(DEFAULTS)}")
+    parse_variant(spec)
+    DEFAULTS[cache] = spec
+
+
 def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
                   k_scale: float = 1.0, v_scale: float = 1.0, order=None,
-                  num_splits: int | None = None, block_n: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None):
-    """paged_decode_attention with its tuning knobs exposed (bench sweeps; tests)."""
+                  variant: str = "tile", num_splits: int | None = None,
+                  block_n: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None, per_sm: int | None = None):
+    """paged_decode_attention with its variant (VARIANTS) and tuning knobs exposed (bench
+    sweeps; tests). Knobs left None take the variant's defaults; per_sm: the programs per SM
+    assumed when choosing splits (choose_num_splits)."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, order)
+    if variant not in VARIANTS:
+        raise ValueError(f"paged_decode_attention: variant {variant!r} not one of "
+                         f"{', '.join(VARIANTS)}")
+    swap, mma8 = VARIANTS[variant]["swap"], VARIANTS[variant]["mma8"]
     B, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -254,23 +272,31 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
     out = torch.empty_like(q)
     if B == 0:
         return out
-    if block_n is None:
-        block_n = 64 if d <= 128 else 32
-    max_ctx = block_tables.shape[1] * bs  # upper bound on any seq_len, known without a sync
     # fp32 inputs get exact fp32 dots; so does the CPU interpreter, whose bf16 dot is wrong
     # (triton 3.9 reads bf16 operands as integers).
     f32_dot = q.dtype == torch.float32 or q.device.type == "cpu"
-    fp8 = k_cache.dtype == torch.float8_e4m3fn and not f32_dot
+    is8 = k_cache.dtype == torch.float8_e4m3fn
+    fp8 = is8 and not f32_dot
     v_t = is_transposed(v_cache)
+    if mma8 and not (is8 and (v_t or f32_dot)):  # (e4m3 operands must be K-major)
+        raise ValueError(f"paged_decode_attention: variant {variant!r} needs a float8_e4m3fn "
+                         "cache with V in the transposed layout (kernels/layout.py)")
+    if block_n is None:
+        block_n = 64 if d <= 128 else 32
+    if mma8 and (block_n < 32 or d < 32):
+        raise ValueError(f"paged_decode_attention: variant {variant!r} needs block_n and "
+                         f"head_dim >= 32 (e4m3 dots), got {block_n} and {d}")
+    max_ctx = block_tables.shape[1] * bs  # upper bound on any seq_len, known without a sync
     sms = _num_sms(q.device)
+    # bench/kernels.py --fp8-sweep picked one-warp programs for fp8 tiles (module doc); fp8
+    # with a token-major V keeps the defaults of the kernel before the transposed layout.
+    # swap runs a warpgroup (4 warps), which its dots need to be wgmmas.
+    small = fp8 and v_t and d <= 128 and not swap
     if num_splits is None:
         num_splits = choose_num_splits(B, hkv, max_ctx, sms, block_n,
-                                       per_sm=8 if fp8 else 4)
+                                       per_sm=per_sm or (8 if fp8 and not swap else 4))
     if num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
-    # bench/kernels.py --fp8-sweep picked these (module doc); fp8 with a token-major V keeps
-    # the defaults of the kernel before the transposed layout
-    small = fp8 and v_t and d <= 128
     if num_warps is None:
         num_warps = 1 if small else 4
     if num_stages is None:
@@ -278,7 +304,9 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
         # B 180 x 400-1,400 tokens 162.0 us at 5 stages against 166.3 at 3; B 64 x
         # 1,000-2,000, 2.2 programs per SM: 3 stages ahead)
         deep = B * hkv * num_splits >= 8 * sms
-        num_stages = 2 if small or d > 128 else 5 if fp8 or deep else 3
+        num_stages = 2 if small or d > 128 else 3 if swap else 5 if fp8 or deep else 3
+    # the heads are the dots' M (rows) or N (swap), 16 at least (Triton 3.6 runs a wgmma
+    # only from N = 16: swap's tiles of 64 tokens are its M)
     g_pad = max(16, triton.next_power_of_2(g))
     if num_splits > 1:
         part = torch.empty(B, hq, num_splits, d, dtype=torch.float32, device=q.device)
@@ -292,8 +320,8 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
         q.stride(0), q.stride(1), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         out.stride(0), out.stride(1), num_splits,
         HQ=hq, G=g, G_PAD=g_pad, D=d, BS=bs, BLOCK_N=block_n, SINGLE=num_splits == 1,
-        F32_DOT=f32_dot, FP8_KV=fp8, V_T=v_t, ORDERED=order is not None, num_warps=num_warps,
-        num_stages=num_stages)
+        F32_DOT=f32_dot, FP8_KV=fp8, V_T=v_t, ORDERED=order is not None, SWAP=swap,
+        MMA8=mma8, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(B, hq)](part, lse, out, out.stride(0), out.stride(1), num_splits,
                                 HQ=hq, D=d, S_PAD=max(2, triton.next_power_of_2(num_splits)),
@@ -309,6 +337,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     order: the rows in launch order (``longest_first``), or None (row order); it changes
     only the speed, never a result. k_scale / v_scale: per-tensor dequantisation scales
     of the caches (real = stored * scale), for a float8_e4m3fn cache; 1.0 gives the
-    reference twin's semantics."""
+    reference twin's semantics. Runs the variant DEFAULTS names for the cache's kind."""
+    knobs = parse_variant(DEFAULTS["fp8" if k_cache.dtype == torch.float8_e4m3fn else "16bit"])
     return decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                         k_scale=k_scale, v_scale=v_scale, order=order)
+                         k_scale=k_scale, v_scale=v_scale, order=order, **knobs)

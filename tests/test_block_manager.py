@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from array import array
 
 import pytest
 
@@ -117,7 +118,7 @@ def test_parent_hash_is_verified(monkeypatch):
     a = mkseq([1, 2, 3, 4, 5, 6, 7, 8, 9])
     step(bm, a, 9)
     b = mkseq([5, 6, 7, 8, 0])
-    assert bm.cached[hash((5, 6, 7, 8))] is bm.blocks[1]
+    assert bm.cached[hash(array("q", (5, 6, 7, 8)).tobytes())] is bm.blocks[1]
     assert bm.get_computed_blocks(b) == ([], 0)
 
 
@@ -159,7 +160,7 @@ def test_block_registered_when_it_fills_during_decode():
     step(bm, s, 1)
     assert len(s.block_hashes) == 2 and bm.cached[s.block_hashes[1]] is bm.blocks[1]
     assert bm.blocks[1].parent_hash == s.block_hashes[0]
-    assert bm.blocks[1].token_ids == (5, 6, 7, 8)
+    assert bm.blocks[1].token_ids == array("q", (5, 6, 7, 8)).tobytes()
     bm.check_integrity([s])
 
 

@@ -24,6 +24,7 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pagedq.kernels.activation as act  # noqa: E402
 import pagedq.kernels.decode_attention as dec  # noqa: E402
+import pagedq.kernels.decode_tile as tile  # noqa: E402
 import pagedq.kernels.norm as norm  # noqa: E402
 import pagedq.kernels.prefill_attention as pre  # noqa: E402
 import pagedq.kernels.rope_store as rs  # noqa: E402
@@ -35,7 +36,7 @@ from pagedq.kernels.layout import transposed_view  # noqa: E402
 
 if INTERP:
     from triton.runtime.interpreter import InterpretedFunction
-    for _m, _k in ((dec, "_decode_kernel"), (norm, "_rms_kernel"), (pre, "_prefill_kernel"),
+    for _m, _k in ((tile, "tile"), (dec, "_decode_kernel"), (norm, "_rms_kernel"), (pre, "_prefill_kernel"),
                    (rot, "_rotary_kernel"), (store, "_store_kernel"), (rs, "_rope_store_kernel"),
                    (samp, "_gumbel_kernel"), (samp, "_bitmask_kernel"),
                    (act, "_silu_mul_kernel")):
@@ -104,9 +105,10 @@ def make_batch(ctx, qlens, hq, hkv, d, bs, dtype, dev=DEV, kv_dtype=None, v_t=Fa
 
 
 def check_decode(ctx, hq, hkv, d, bs, dtype, kv_dtype=None, ks=1.0, vs=1.0, v_t=False,
-                 **knobs):
+                 q_mul=1.0, **knobs):
     q, kc, vc, bt, lens, _ = make_batch(ctx, [1] * len(ctx), hq, hkv, d, bs, dtype,
                                         kv_dtype=kv_dtype, v_t=v_t)
+    q = (q.float() * q_mul).to(dtype)
     ref = R.paged_decode_attention(q.float(), kc.float() * ks, vc.float() * vs, bt, lens,
                                    d ** -0.5)
     out = dec.decode_launch(q, kc, vc, bt, lens, d ** -0.5, k_scale=ks, v_scale=vs, **knobs)
@@ -275,7 +277,8 @@ def test_decode_cpu(poison, hq, hkv, d, bs, dtype, splits):
     check_decode(CTX, hq, hkv, d, bs, dtype, num_splits=splits)
 
 
-def check_decode_order(ctx, hq, hkv, d, bs, dtype, kv_dtype=None, v_t=False, splits=(1, 3)):
+def check_decode_order(ctx, hq, hkv, d, bs, dtype, kv_dtype=None, v_t=False, splits=(1, 3),
+                       **knobs):
     """Rows launched longest first (the engine's order) or in any other order give the
     same output, bit for bit: each row's programs compute the same whatever their turn."""
     q, kc, vc, bt, lens, _ = make_batch(ctx, [1] * len(ctx), hq, hkv, d, bs, dtype,
@@ -285,9 +288,10 @@ def check_decode_order(ctx, hq, hkv, d, bs, dtype, kv_dtype=None, v_t=False, spl
     assert lens[order.long()].tolist() == sorted(ctx, reverse=True)
     shuffled = torch.randperm(len(ctx), device=lens.device).int()
     for n in splits:
-        plain = dec.decode_launch(q, kc, vc, bt, lens, d ** -0.5, num_splits=n)
+        plain = dec.decode_launch(q, kc, vc, bt, lens, d ** -0.5, num_splits=n, **knobs)
         for o in (order, shuffled):
-            got = dec.decode_launch(q, kc, vc, bt, lens, d ** -0.5, order=o, num_splits=n)
+            got = dec.decode_launch(q, kc, vc, bt, lens, d ** -0.5, order=o, num_splits=n,
+                                    **knobs)
             assert torch.equal(got, plain)
 
 
