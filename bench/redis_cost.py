@@ -46,8 +46,8 @@ sys.path.insert(0, ROOT)
 
 import redis  # noqa: E402
 
-from pagedq.producer.keys import GROUP, Keys  # noqa: E402
-from pagedq.producer.settings import Settings  # noqa: E402
+from pagedq.wire.keys import GROUP, Keys  # noqa: E402
+from pagedq.wire.settings import Settings  # noqa: E402
 
 PREFIX, MODEL = "bench", "bench"
 PROMPT_TOKENS = 16
@@ -83,8 +83,8 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
     running job through the real Publisher, FINISH after a job's last token."""
     import structlog
 
-    from pagedq.producer.connection import connect
-    from pagedq.producer.worker_scripts import Started, start
+    from pagedq.wire.connection import connect
+    from pagedq.wire.worker_scripts import Started, start
     from pagedq.worker import lua
     from pagedq.worker.publisher import Final, Publisher
 

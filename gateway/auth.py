@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from pagedq.producer.keys import Keys
+from pagedq.wire.keys import Keys
 
 from .apikeys import (
     ADMIT_LUA,

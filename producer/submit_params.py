@@ -1,5 +1,5 @@
 """The keyword parameters of ``Client.submit`` / ``AsyncClient.submit``: one per JobRequest
-field (producer/schema.py) but ``v`` (the schema version), ``id`` (``job_id``), ``prompt``,
+field (wire/schema.py) but ``v`` (the schema version), ``id`` (``job_id``), ``prompt``,
 ``messages`` and ``model`` (named on their own). tests/test_pagedq_package.py fails when
 JobRequest gains a field that submit() lacks, or the two clients' signatures differ.
 """

@@ -20,9 +20,9 @@ import pytest
 import redis
 from pydantic import SecretStr
 
+from pagedq.cli import build_parser, main
 from pagedq.producer import Client
-from pagedq.producer.settings import Settings
-from pagedq.worker.cli import build_parser, main
+from pagedq.wire.settings import Settings
 from pagedq.worker.config import (
     FLAGGED,
     ConfigError,
@@ -318,7 +318,7 @@ def test_a_bad_password_value_is_not_echoed(tmp_path, capsys):
 
 def test_pagedq_config_table_and_no_torch(tmp_path):
     f = write(tmp_path, "cache:\n  block_size: 64\n")
-    code = ("import sys\nfrom pagedq.worker.cli import main\n"
+    code = ("import sys\nfrom pagedq.cli import main\n"
             f"rc = main(['config', '--config', {f!r}, '--max-num-seqs', '3'])\n"
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
             "assert rc == 0 and not bad, (rc, bad)")
@@ -403,7 +403,7 @@ def file_worker(tmp_path_factory, tiny_dir, shared_redis_server):
     env.update(PYTHONPATH=ROOT, PAGEDQ_FAILPOINTS="step_sleep_s=0.03")
     log_path = d / "worker.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pagedq.worker.cli", "worker", "--config",
+        proc = subprocess.Popen([sys.executable, "-m", "pagedq", "worker", "--config",
                                  str(path)], stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=ROOT)
     r = redis.Redis.from_url(shared_redis_server.url, decode_responses=True)

@@ -13,10 +13,10 @@ import time
 import pytest
 
 from pagedq.producer import Client
-from pagedq.producer.errors import Overloaded
-from pagedq.producer.keys import GROUP
-from pagedq.producer.schema import FinalEvent
-from pagedq.producer.settings import Settings
+from pagedq.wire.errors import Overloaded
+from pagedq.wire.keys import GROUP
+from pagedq.wire.schema import FinalEvent
+from pagedq.wire.settings import Settings
 from pagedq.worker import lua
 from pagedq.worker.redis_server import RedisServer
 from tests.tiny_service import MODEL
@@ -358,7 +358,8 @@ def test_worker_with_fp8_kv_cache_serves_jobs(svc):
 
 
 def test_worker_noise_seed_is_per_process_unless_given():
-    from pagedq.worker.cli import build_parser, engine_kwargs
+    from pagedq.cli import build_parser
+    from pagedq.worker.cli import engine_kwargs
     seeds = {engine_kwargs(build_parser().parse_args(["worker"]))["seed"] for _ in range(3)}
     assert len(seeds) == 3  # workers never share the unseeded jobs' noise stream
     assert engine_kwargs(build_parser().parse_args(["worker", "--seed", "5"]))["seed"] == 5

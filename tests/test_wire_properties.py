@@ -1,7 +1,7 @@
 """Property tests of the wire contract through a real redis-server and a real worker process
 (SmolLM2 on the CPU): every documented JobRequest field, valid and invalid, raw entries and
 raw script calls. After each example the queue counters return to zero and their
-invariant (producer/invariants.py) holds."""
+invariant (wire/invariants.py) holds."""
 from __future__ import annotations
 
 import hashlib
@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedq.producer import Client
-from pagedq.producer.errors import InvalidRequest
-from pagedq.producer.invariants import queue_counters
-from pagedq.producer.keys import GROUP, LANE_RE
-from pagedq.producer.schema import FinalEvent, JobRequest, TokenEvent
-from pagedq.producer.scripts import SUBMIT_LUA, submit_call
+from pagedq.wire.errors import InvalidRequest
+from pagedq.wire.invariants import queue_counters
+from pagedq.wire.keys import GROUP, LANE_RE
+from pagedq.wire.schema import FinalEvent, JobRequest, TokenEvent
+from pagedq.wire.scripts import SUBMIT_LUA, submit_call
 from tests.worker_proc import WorkerProc
 
 MODEL = "smollm2"

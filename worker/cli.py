@@ -1,8 +1,6 @@
-"""The `pagedq` console script: worker and demo here, client commands from pagedq.producer.cli.
-Heavy imports (torch, the engine) happen only inside the worker/demo commands.
-
-``--redis-url`` and ``--prefix`` are accepted before or after the subcommand; given in
-both places, the one after the subcommand wins.
+"""`pagedq worker` and `pagedq config` (the root parser: pagedq/cli.py), and the checks of a
+worker's configuration that every command starting one runs (`pagedq demo` too). Heavy
+imports (torch, the engine) happen only inside the worker command.
 
 Exit codes of ``pagedq worker``:
 
@@ -17,7 +15,7 @@ Exit codes of ``pagedq worker``:
  128+N  killed by a second signal N while draining (130: Ctrl-C, 143: SIGTERM);
       130 also for Ctrl-C while the model loads
 
-The client commands' exit codes are listed in producer/cli.py (and in ``pagedq -h``).
+The client commands' exit codes are listed in pagedq/client_cli.py (and in ``pagedq -h``).
 """
 from __future__ import annotations
 
@@ -25,9 +23,8 @@ import argparse
 import os
 import re
 import signal
-import sys
+from collections.abc import Iterable
 
-from pagedq.producer import cli as client_cli
 from pagedq.worker import fatal
 from pagedq.worker.config import ConfigError, Resolved, resolve
 from pagedq.worker.settings import LOG_LEVELS
@@ -48,21 +45,14 @@ ENGINE_INT_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
                       "num_kv_blocks", "block_size", "prefill_wait_steps")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(
-        prog="pagedq", description="Queue-fed LLM generation over Redis.",
-        parents=[client_cli.common_options(after_subcommand=False)],
-        epilog=client_cli.EXIT_CODES_HELP + "\n" + WORKER_EXIT_CODES_HELP, formatter_class=fmt)
-    client_cli.add_version(p)
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    after = [client_cli.common_options(after_subcommand=True)]
-
+def register(sub: argparse._SubParsersAction, parents: Iterable[argparse.ArgumentParser]) -> None:
+    """Add `pagedq worker` and `pagedq config`."""
+    fmt, parents = argparse.RawDescriptionHelpFormatter, list(parents)
     w = sub.add_parser("worker", help="serve generation jobs from the model's jobs stream",
                        description="Serve generation jobs from the model's jobs stream. Each "
                                    "setting: flag > PAGEDQ_<NAME> > --config file > default "
                                    "(docs/configuration.md).",
-                       parents=after, epilog=WORKER_EXIT_CODES_HELP, formatter_class=fmt)
+                       parents=parents, epilog=WORKER_EXIT_CODES_HELP, formatter_class=fmt)
     add_worker_args(w)
     w.set_defaults(func=cmd_worker)
 
@@ -71,36 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print every worker setting (service and engine) as `pagedq "
                                    "worker` with the same options would use it, and its source: "
                                    "flag, env, file or default. Exit 78 if it is not valid.",
-                       parents=after, formatter_class=fmt)
+                       parents=parents, formatter_class=fmt)
     add_worker_args(c)
     c.add_argument("--json", action="store_true",
                    help="print one JSON object instead of a table (default: off)")
     c.set_defaults(func=cmd_config)
-
-    d = sub.add_parser("demo", help="embedded Redis + CPU worker + a few streamed jobs",
-                       description="Redis (an embedded redis-server when none answers at "
-                                   "--redis-url) + a worker with the bundled SmolLM2 + a few "
-                                   "chat jobs, streamed into a live view, then a summary. The "
-                                   "demo's Redis keys are removed at exit.",
-                       parents=after)
-    add_engine_args(d)
-    d.add_argument("--jobs", type=int, default=6, help="jobs to submit (default: %(default)s)")
-    d.add_argument("--max-tokens", type=int, default=48,
-                   help="max_tokens of each job (default: %(default)s)")
-    d.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                   help="sampling temperature of each job (default: %(default)s = greedy)")
-    d.add_argument("--plain", action="store_true",
-                   help="plain lines for logs and CI instead of the live view (default: off; "
-                        "on when stdout is not a terminal)")
-    d.add_argument("--keep", action="store_true",
-                   help="keep the demo's Redis keys and the worker's log (default: off)")
-    d.set_defaults(func=cmd_demo)
-
-    client_cli.register(sub, parents=after)
-    from pagedq.gateway.cli import register as register_gateway  # no web framework imported here
-
-    register_gateway(sub, parents=after)
-    return p
 
 
 def add_worker_args(w: argparse.ArgumentParser) -> None:
@@ -218,7 +183,7 @@ def check_config(args: argparse.Namespace) -> Resolved:
     be without loading torch; the effective configuration. Raises ConfigError."""
     cfg = resolve(args)
     settings = cfg.service
-    from pagedq.producer.keys import check_name
+    from pagedq.wire.keys import check_name
 
     name_from = cfg.origin("served_name") if cfg.worker.served_name else \
         f"the stem of {cfg.origin('model')} (or give --served-name)"
@@ -228,7 +193,7 @@ def check_config(args: argparse.Namespace) -> Resolved:
             check_name(kind, value)
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
-    from pagedq.producer import connection
+    from pagedq.wire import connection
 
     try:  # the URL parses; password and TLS files readable (connection.redis_kwargs)
         connection.check_offline(settings)
@@ -300,7 +265,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     logs.configure(cfg.worker.log_level)
     # wrong credentials or TLS set-up: exit 78 now, before the model loads; Redis not
     # answering is no error here (the worker starts and retries)
-    from pagedq.producer import connection
+    from pagedq.wire import connection
 
     try:
         connection.probe(cfg.service)
@@ -344,31 +309,3 @@ def install_signal_handlers(w) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from pagedq.worker.demo import run_demo
-
-    check_model(check_config(args))  # the demo's worker would exit 78 into its log; say it here
-    return run_demo(args)
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # argparse: usage error (2), --help/--version (0)
-        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
-    try:
-        return args.func(args) or 0
-    except ConfigError as e:
-        print(f"pagedq: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `pagedq config | head`: the reader left; stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141  # 128 + SIGPIPE, as a shell reports it
-
-
-if __name__ == "__main__":
-    sys.exit(main())

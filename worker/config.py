@@ -5,7 +5,7 @@
 Settings are named once, flat (``max_num_seqs``): the environment variable is
 PAGEDQ_<NAME upper-cased>, the flag ``--<name with dashes>`` (where a flag exists), the YAML
 key ``<section>.<key>`` of ``sections()`` (the key is the name, except ``model.path`` and
-``scheduler.policy``). The service settings are producer/settings.py's ``Settings`` (its
+``scheduler.policy``). The service settings are wire/settings.py's ``Settings`` (its
 every field but ``model``, which the worker derives from model.path/served_name); the
 process and engine settings are worker/settings.py's ``WorkerSettings``. docs/configuration.md
 lists them all (a test keeps it complete).
@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
-from pagedq.producer.settings import Settings
+from pagedq.wire.settings import Settings
 from pagedq.worker.names import served_name
 from pagedq.worker.settings import ENGINE_FIELDS, WorkerSettings
 

@@ -30,11 +30,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import redis
 
-from pagedq.producer import worker_scripts
-from pagedq.producer.keys import GROUP, Keys
-from pagedq.producer.reader import replay
-from pagedq.producer.schema import FinishReason, JobRequest, Status
-from pagedq.producer.worker_scripts import Started
+from pagedq.wire import worker_scripts
+from pagedq.wire.events import replay
+from pagedq.wire.keys import GROUP, Keys
+from pagedq.wire.schema import FinishReason, JobRequest, Status
+from pagedq.wire.worker_scripts import Started
 from pagedq.worker import faults, lanes, lua, tenants
 from pagedq.worker.jobs import BadEntry, Job, WorkerIdentity, parse_entry, sampling_params
 from pagedq.worker.metrics import Metrics
@@ -462,7 +462,7 @@ class Intake:
 
     def _replay_events(self, job: Job) -> int:
         """A reclaimed job continues after the tokens its earlier attempts published;
-        returns the next event index (producer/reader.py ``replay``)."""
+        returns the next event index (wire/events.py ``replay``)."""
         if job.attempt <= 1:
             return 0
         replayed, next_index = replay(self.r.xrange(job.keys.out(job.job_id)),

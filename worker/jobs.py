@@ -16,10 +16,10 @@ import redis
 from pydantic import ValidationError
 
 from pagedq.engine.sampling_params import SamplingParams
-from pagedq.producer.connection import is_cluster
-from pagedq.producer.keys import JOB_ID_RE, Keys
-from pagedq.producer.schema import FinishReason, JobRequest, clean_logprob, describe
-from pagedq.producer.settings import Settings
+from pagedq.wire.connection import is_cluster
+from pagedq.wire.keys import JOB_ID_RE, Keys
+from pagedq.wire.schema import FinishReason, JobRequest, clean_logprob, describe
+from pagedq.wire.settings import Settings
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import redis
 import structlog
 
-from pagedq.producer import worker_scripts
-from pagedq.producer.keys import GROUP, Keys
+from pagedq.wire import worker_scripts
+from pagedq.wire.keys import GROUP, Keys
 from pagedq.worker import fatal, faults, lua
 from pagedq.worker.jobs import Job, WorkerIdentity
 from pagedq.worker.metrics import Metrics

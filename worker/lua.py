@@ -1,6 +1,6 @@
 """Running the worker's server-side scripts. Each runs atomically; each write to a job is
 fenced by its ``attempt`` (a reclaiming worker bumps it, so a stale owner's writes are
-refused). The scripts themselves are producer/lua/*.lua, behind pagedq.producer.lua.source.
+refused). The scripts themselves are wire/lua/*.lua, behind pagedq.wire.lua.source.
 """
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import hashlib
 
 import redis
 
-from pagedq.producer.connection import RETRYABLE, is_cluster
-from pagedq.producer.lua import sharded, source
+from pagedq.wire.connection import RETRYABLE, is_cluster
+from pagedq.wire.lua import sharded, source
 
 
 class Script:
@@ -19,7 +19,7 @@ class Script:
     restarted or flushed its script cache) is the caller's to handle: ``load_all`` and
     send again (``noscript``). Every script here is fenced or idempotent, so a resend is
     safe. Called directly, it loads and retries by itself. On a cluster client it runs
-    the script's sharded text (pagedq.producer.lua.sharded)."""
+    the script's sharded text (pagedq.wire.lua.sharded)."""
 
     sources: set[str] = set()  # of every Script made: what load_all loads
 
@@ -65,7 +65,7 @@ def failed(results: list) -> Exception | None:
     return next((x for x in results if isinstance(x, RETRYABLE)), None)
 
 
-# The worker's scripts (producer/lua/*.lua: KEYS, ARGV and replies in each file's header)
+# The worker's scripts (wire/lua/*.lua: KEYS, ARGV and replies in each file's header)
 START = source("start")
 PUBLISH = source("publish")
 FINISH = source("finish")

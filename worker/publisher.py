@@ -29,10 +29,10 @@ from typing import Any
 import redis
 import structlog
 
-from pagedq.producer import worker_scripts
-from pagedq.producer.connection import RETRYABLE, is_cluster
-from pagedq.producer.keys import Keys
-from pagedq.producer.settings import Settings
+from pagedq.wire import worker_scripts
+from pagedq.wire.connection import RETRYABLE, is_cluster
+from pagedq.wire.keys import Keys
+from pagedq.wire.settings import Settings
 from pagedq.worker import fatal, faults, lua
 
 log = structlog.get_logger("pagedq.publisher")

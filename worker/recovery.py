@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import redis
 
-from pagedq.producer import worker_scripts
-from pagedq.producer.keys import GROUP
+from pagedq.wire import worker_scripts
+from pagedq.wire.keys import GROUP
 from pagedq.worker import lua
 
 

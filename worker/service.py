@@ -18,11 +18,11 @@ import redis
 import structlog
 
 from pagedq.engine.llm_engine import LLMEngine
-from pagedq.producer import connection
-from pagedq.producer.connection import RETRYABLE
-from pagedq.producer.keys import GROUP, Keys
-from pagedq.producer.schema import FinishReason, Status
-from pagedq.producer.settings import Settings
+from pagedq.wire import connection
+from pagedq.wire.connection import RETRYABLE
+from pagedq.wire.keys import GROUP, Keys
+from pagedq.wire.schema import FinishReason, Status
+from pagedq.wire.settings import Settings
 from pagedq.worker import fatal, faults, liveness, recovery
 from pagedq.worker.gc_pauses import GcPauses
 from pagedq.worker.health import DRAINING, SERVING, STOPPED, Health

@@ -1,6 +1,6 @@
 """The worker process's own settings: the model it loads, how its engine runs, its id and
 log level. The service settings it shares with clients (Redis, prefix, lanes, leases, ...)
-are producer/settings.py's ``Settings``; worker/config.py layers both (flag > environment >
+are wire/settings.py's ``Settings``; worker/config.py layers both (flag > environment >
 config file > default) and docs/configuration.md lists every one.
 
 Each field is read from the environment as PAGEDQ_<NAME> (e.g. PAGEDQ_GPU_MEMORY_UTILIZATION).
