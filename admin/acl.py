@@ -4,9 +4,9 @@ may touch, and the ACL file (``pagedq acl``, admin/acl_cli.py; docs/security.md)
 Where each part comes from, so that none can drift from the code it describes:
 * key and channel patterns: wire/keys.py (``Keys`` of each tenant prefix, with ``*``
   for the variable parts);
-* the commands the Lua scripts run: parsed from the scripts' text (wire/lua, and the
-  gateway's in gateway/apikeys.py), per role from the scripts that role runs: a script
-  that starts using a new command gives its role that command too;
+* the commands the Lua scripts run: parsed from the scripts' text (wire/lua), per role
+  from the scripts that role runs, as each script declares (``pagedq.wire.lua.SCRIPTS``):
+  a script that starts using a new command gives its roles that command too;
 * the commands the Python code sends itself: the lists below, next to the code they serve.
 
 A tenant is one key prefix (``Settings.prefix``): every pattern of a tenant's users starts
@@ -32,8 +32,8 @@ TENANT_ROLES = ("producer", "reader", "batch")  # one user per tenant; the other
 # a client the names of keys others write (job ids of the tenant). -@dangerous comes last
 # in every user, so nothing below can grant KEYS, CONFIG, DEBUG, FLUSHALL, MONITOR, ...
 CONNECTION = ("+@connection", "-client|tracking", "-client|caching")
-# Running the scripts: redis-py's Script objects send EVALSHA, SCRIPT LOAD after NOSCRIPT,
-# and SCRIPT EXISTS before a pipeline; producers in other languages may EVAL the text.
+# Running the scripts: EVALSHA, SCRIPT LOAD after NOSCRIPT (pagedq.wire.script); producers
+# in other languages may EVAL the text, or ask SCRIPT EXISTS first as redis-py's Script does.
 # Every command a script runs is checked against the user's own rights (Redis runs it as
 # the caller), so EVAL grants nothing the other rules do not.
 SCRIPTING = ("eval", "evalsha", "script|load", "script|exists")
@@ -60,12 +60,9 @@ RQ_PATTERN = "rq:*"  # rq's keys and its pub/sub channels (rq:pubsub:<worker>)
 # gateway/*.py outside the scripts and the clients it drives: the uploaded files' records
 # (HSET + ZADD in MULTI, HGETALL, ZREVRANGE, DEL + ZREM), a batch's OpenAI fields (HSET,
 # HMGET), the 404/503 probe of a model (EXISTS on its serving set), logprobs and resumed
-# streams (XRANGE on a job's events). Its own scripts (gateway/apikeys.py) are parsed.
+# streams (XRANGE on a job's events). Its own scripts (admit, settle) are parsed.
 GATEWAY_COMMANDS = ("xrange", "exists", "hset", "hmget", "hgetall", "zadd", "zrevrange",
                     "zrem", "del", "multi", "exec", "discard")
-
-PRODUCER_SCRIPTS = ("submit", "cancel", "served")
-WORKER_SCRIPTS = ("start", "publish", "finish", "reject", "refresh", "expire_unserved")
 
 _CALL_RE = re.compile(r"""redis\.p?call\s*[(,]\s*'([A-Za-z]+)'(?:\s*,\s*'([A-Za-z]+)')?""")
 _CONTAINERS = {"xgroup", "xinfo", "script", "client", "object", "memory", "config", "function"}
@@ -91,10 +88,10 @@ def commands_of_scripts(names: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-@functools.cache
-def gateway_script_commands() -> tuple[str, ...]:
-    """The commands of the gateway's scripts (admission and settling, gateway/apikeys.py)."""
-    return tuple(sorted(script_commands(lua.plain("admit")) | script_commands(lua.plain("settle"))))
+def role_script_commands(role: str) -> tuple[str, ...]:
+    """The commands of every script ``role`` runs (wire/lua's SCRIPTS declare who runs
+    what)."""
+    return commands_of_scripts(tuple(n for n, s in lua.SCRIPTS.items() if role in s.roles))
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,12 +198,11 @@ def command_rules(role: str) -> list[str]:
     if role == "reader":
         cmds: tuple[str, ...] = READS
     elif role in ("producer", "batch"):
-        cmds = (*SCRIPTING, *READS, *commands_of_scripts(PRODUCER_SCRIPTS))
+        cmds = (*SCRIPTING, *READS, *role_script_commands(role))
     elif role == "worker":
-        cmds = (*SCRIPTING, *WORKER_COMMANDS, *commands_of_scripts(WORKER_SCRIPTS))
+        cmds = (*SCRIPTING, *WORKER_COMMANDS, *role_script_commands(role))
     elif role == "gateway":
-        cmds = (*SCRIPTING, *READS, *commands_of_scripts(PRODUCER_SCRIPTS), *GATEWAY_COMMANDS,
-                *gateway_script_commands())
+        cmds = (*SCRIPTING, *READS, *GATEWAY_COMMANDS, *role_script_commands(role))
     else:
         raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
     rules = ["-@all", *CONNECTION, *(f"+{c}" for c in dict.fromkeys(cmds))]

@@ -24,7 +24,7 @@ from itertools import islice
 from pathlib import Path
 
 from pagedq.producer.client import Client
-from pagedq.wire import scripts
+from pagedq.wire import script, scripts
 from pagedq.wire.errors import JobConflict, Overloaded
 
 from . import lines as L
@@ -173,11 +173,10 @@ class FanOut:
                 if isinstance(req, L.LineError):  # validated before: cannot happen
                     raise RuntimeError(f"line {line} no longer validates: {req.message}")
                 reqs.append((line, req))
-            for (line, req), reply in zip(reqs, self._send(reqs), strict=True):
+            for (line, _req), result in zip(reqs, self._send(reqs), strict=True):
                 try:
-                    if isinstance(reply, Exception):
-                        raise reply
-                    scripts.check_submit_reply(reply, req.id)
+                    if isinstance(result, Exception):  # the job id otherwise
+                        raise result
                 except Overloaded:
                     continue
                 except JobConflict:
@@ -190,9 +189,9 @@ class FanOut:
 
     def _send(self, reqs: list) -> list:
         c = self.rt.client
-        calls = [scripts.submit_call(c.keys, req, c.settings, batch=(self.batch_id, str(line)))
+        calls = [scripts.Submit(c.keys, req, c.settings, batch=(self.batch_id, str(line)))
                  for line, req in reqs]
-        return c._retry(scripts.pipelined, c.redis, c._scripts.submit, calls)
+        return c._retry(script.pipelined, c.redis, calls)
 
     def stop(self, why: str, chunk: list[tuple[int, int, bytes]] | None = None) -> str:
         """Stop for good: count the jobs an interrupted chunk made beyond the cursor."""
@@ -231,5 +230,5 @@ def cancel_jobs(c: Client, job_ids: list[str]) -> None:
     """CANCEL each job, pipelined (queued ones end at once, running ones are asked to stop;
     ended or missing ones are left alone)."""
     for i in range(0, len(job_ids), 1000):
-        calls = [scripts.cancel_call(c.keys, jid, c.settings) for jid in job_ids[i:i + 1000]]
-        c._retry(scripts.pipelined, c.redis, c._scripts.cancel, calls)
+        calls = [scripts.Cancel(c.keys, jid, c.settings) for jid in job_ids[i:i + 1000]]
+        c._retry(script.pipelined, c.redis, calls)

@@ -83,9 +83,9 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
     running job through the real Publisher, FINISH after a job's last token."""
     import structlog
 
+    from pagedq.wire import script
     from pagedq.wire.connection import connect
-    from pagedq.wire.worker_scripts import Started, start
-    from pagedq.worker import lua
+    from pagedq.wire.worker_scripts import Start
     from pagedq.worker.publisher import Final, Publisher
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
@@ -96,7 +96,6 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
         with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: made by SUBMIT already
             r.xgroup_create(k.jobs(MODEL), GROUP, id="0", mkstream=True)
     pub = Publisher(r, s).start()
-    start_script = lua.Script(r, lua.START)
     wid = f"sim-{idx}"
     running: dict[str, list] = {}  # uid -> [keys, job id, attempt, entry id, tokens left]
     turn, next_poll = 0, 0.0
@@ -114,8 +113,8 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
                 resp = r.xreadgroup(GROUP, wid, {k.jobs(MODEL): ">"}, count=room, block=block)
                 for entry_id, fields in (resp[0][1] if resp else []):
                     job_id = fields["job"]
-                    res = Started.parse(start_script(*start(k, job_id, MODEL, "interactive",
-                                                            wid, s.max_deliveries)))
+                    res = script.run(r, Start(k, job_id, MODEL, "interactive", wid,
+                                              s.max_deliveries))
                     if res.kind != "ok":
                         continue
                     pub.register(k, job_id, res.attempt, 0)

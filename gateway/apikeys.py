@@ -9,11 +9,11 @@ ever logged or stored in clear.
 
 Rate limits are fixed one-minute windows counted in Redis, so every gateway process shares
 them: ``{P}:ratelimit:<hash>:<minute>`` (a hash of ``r`` requests and ``t`` tokens, kept
-two minutes). ``ADMIT_LUA`` looks the key up and charges one request and the request's
+two minutes). ADMIT (wire/lua/admit.lua) looks the key up and charges one request and the request's
 estimated tokens (prompt characters / 4 + max_tokens x n) in one atomic step; a request
 past either cap is refused with the seconds until the window ends. A single request above
 ``tpm`` is admitted into an empty window (otherwise it never could be). Once a job ends,
-the gateway corrects the window's tokens by (actual usage - estimate) (``SETTLE_LUA``).
+the gateway corrects the window's tokens by (actual usage - estimate) (SETTLE).
 """
 from __future__ import annotations
 
@@ -25,15 +25,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedq.wire import lua
 from pagedq.wire.keys import Keys, check_name
 
 KEY_PREFIX = "pq-"
 ID_LEN = 12  # hex digits of the hash that name a key
-
-ADMIT_LUA = lua.plain("admit")  # wire/lua/admit.lua
-SETTLE_LUA = lua.plain("settle")  # wire/lua/settle.lua
-
 
 def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)

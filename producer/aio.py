@@ -1,6 +1,7 @@
 """asyncio producer client (redis.asyncio): the same API and semantics as
 pagedq.producer.client.Client, with coroutines and async iterators. The reading protocol lives
-in producer/reader.py and the request logic in wire/scripts.py; this file only does
+in producer/reader.py, the request logic in producer/requests.py and wire/scripts.py; this file
+only does
 the I/O (awaiting the commands they ask for)."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from pagedq.wire import scripts
+from pagedq.wire import script, scripts
 from pagedq.wire.connection import (
     RETRYABLE,
     RedisUnusable,
@@ -40,7 +41,6 @@ class AsyncClient:
             redis_url, prefix, model, settings)
         self._url = pool["url"]
         self.redis = client_redis(self.settings, pool, asyncio=True)
-        self._scripts = scripts.register(self.redis)
         # a cluster client is started (slot map, connections) by one task before any
         # command is sent: connection.start_async_cluster
         self._started = not is_cluster(self.redis)
@@ -125,36 +125,20 @@ class AsyncClient:
                                   require_worker)
 
     async def _submit(self, req: JobRequest, require_worker: bool = False) -> str:
-        keys, args = scripts.submit_call(self.keys, req, self.settings, require_worker)
-        reply = await self._retry(self._scripts.submit, keys, args)
-        return scripts.check_submit_reply(reply, req.id)
+        call = scripts.Submit(self.keys, req, self.settings, require_worker)
+        return await self._retry(script.run_async, self.redis, call)
 
     async def submit_many(self, reqs: list[JobRequest | dict[str, Any]]) -> list[str]:
         """See Client.submit_many."""
         reqs = [requests.with_id(r, self.model, self.settings.partitions) for r in reqs]
-        calls = [scripts.submit_call(self.keys, req, self.settings) for req in reqs]
-        script = self._scripts.submit
-
-        async def send() -> list[Any]:  # scripts.pipelined, awaited
-            for _ in range(2):
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for keys, args in calls:
-                        queued = scripts.queue_script(pipe, script, keys, args)
-                        if queued is not None:  # a plain pipeline's call: awaited
-                            await queued
-                    replies = await pipe.execute(raise_on_error=False)
-                if not scripts.noscript(replies):
-                    break
-                await self.redis.script_load(script.script)
-            scripts.raise_retryable(replies)
-            return replies
-        return requests.collect_replies(reqs, await self._retry(send))
+        calls = [scripts.Submit(self.keys, req, self.settings) for req in reqs]
+        return requests.collect_replies(await self._retry(script.pipelined_async, self.redis,
+                                                          calls))
 
     async def served_models(self) -> dict[str, int]:
         """Models with at least one live worker -> how many (from the workers'
         heartbeats, judged by Redis's clock)."""
-        keys, args = scripts.served_call(self.keys)
-        return scripts.served_reply(await self._retry(self._scripts.served, keys, args))
+        return await self._retry(script.run_async, self.redis, scripts.Served(self.keys))
 
     # -- read
     async def status(self, job_id: str) -> JobRecord:
@@ -188,9 +172,8 @@ class AsyncClient:
 
     # -- cancel
     async def cancel(self, job_id: str) -> bool:
-        keys, args = scripts.cancel_call(self.keys, requests.checked_id(job_id), self.settings)
-        reply = await self._retry(self._scripts.cancel, keys, args)
-        return scripts.check_cancel_reply(reply, job_id)
+        call = scripts.Cancel(self.keys, requests.checked_id(job_id), self.settings)
+        return await self._retry(script.run_async, self.redis, call)
 
     # -- lifecycle
     async def aclose(self) -> None:

@@ -2,7 +2,8 @@
 
 The reading protocol (status, result, stream, subscribe: cursor, trimmed log, terminal
 re-read, timeouts) lives in producer/reader.py, sans I/O, shared with the asyncio client
-(producer/aio.py); request building and reply checks in wire/scripts.py. This class is
+(producer/aio.py); request building in producer/requests.py, the scripts' calls in
+wire/scripts.py. This class is
 the I/O shell: it makes the Redis calls those ask for and hands back the replies.
 
 Riding out a Redis restart: every Redis call of both clients goes through a retry loop
@@ -26,7 +27,7 @@ from typing import Any, TypeVar
 
 import redis
 
-from pagedq.wire import scripts
+from pagedq.wire import script, scripts
 from pagedq.wire.connection import (
     RETRYABLE,
     RedisUnusable,
@@ -60,7 +61,6 @@ class Client:
             redis_url, prefix, model, settings)
         self._url = pool["url"]
         self.redis: redis.Redis = client_redis(self.settings, pool)
-        self._scripts = scripts.register(self.redis)
 
     def keys_of(self, job_id: str) -> Keys:
         """The keys of the partition holding ``job_id`` (``self.keys``: partition 0)."""
@@ -164,8 +164,8 @@ class Client:
                             require_worker)
 
     def _submit(self, req: JobRequest, require_worker: bool = False) -> str:
-        keys, args = scripts.submit_call(self.keys, req, self.settings, require_worker)
-        return scripts.check_submit_reply(self._retry(self._scripts.submit, keys, args), req.id)
+        call = scripts.Submit(self.keys, req, self.settings, require_worker)
+        return self._retry(script.run, self.redis, call)
 
     def submit_many(self, reqs: list[JobRequest | dict[str, Any]]) -> list[str]:
         """All requests are validated before anything is sent (InvalidRequest: nothing
@@ -173,15 +173,13 @@ class Client:
         On JobConflict/Overloaded the others are still enqueued; the first error is raised
         with ``.job_ids`` (None where refused). Resubmitting with fixed ids is safe."""
         reqs = [requests.with_id(r, self.model, self.settings.partitions) for r in reqs]
-        calls = [scripts.submit_call(self.keys, req, self.settings) for req in reqs]
-        replies = self._retry(scripts.pipelined, self.redis, self._scripts.submit, calls)
-        return requests.collect_replies(reqs, replies)
+        calls = [scripts.Submit(self.keys, req, self.settings) for req in reqs]
+        return requests.collect_replies(self._retry(script.pipelined, self.redis, calls))
 
     def served_models(self) -> dict[str, int]:
         """Models with at least one live worker -> how many (from the workers'
         heartbeats, judged by Redis's clock)."""
-        keys, args = scripts.served_call(self.keys)
-        return scripts.served_reply(self._retry(self._scripts.served, keys, args))
+        return self._retry(script.run, self.redis, scripts.Served(self.keys))
 
     # -- read
     def status(self, job_id: str) -> JobRecord:
@@ -217,8 +215,8 @@ class Client:
     def cancel(self, job_id: str) -> bool:
         """True if cancelled (queued) or a cancel was requested (running); False if the
         job had already ended."""
-        keys, args = scripts.cancel_call(self.keys, requests.checked_id(job_id), self.settings)
-        return scripts.check_cancel_reply(self._retry(self._scripts.cancel, keys, args), job_id)
+        call = scripts.Cancel(self.keys, requests.checked_id(job_id), self.settings)
+        return self._retry(script.run, self.redis, call)
 
     # -- lifecycle
     def close(self) -> None:

@@ -10,7 +10,6 @@ from pydantic import ValidationError
 from pagedq.wire.errors import InvalidRequest
 from pagedq.wire.keys import check_job_id, new_job_id
 from pagedq.wire.schema import JobRequest, describe
-from pagedq.wire.scripts import check_submit_reply
 
 
 def validate_request(data: dict[str, Any] | JobRequest) -> JobRequest:
@@ -65,17 +64,12 @@ def checked_id(job_id: str) -> str:
         raise InvalidRequest(str(e)) from None
 
 
-def collect_replies(reqs: list[JobRequest], replies: list[Any]) -> list[str]:
-    ids: list[str | None] = []
-    first: Exception | None = None
-    for req, reply in zip(reqs, replies, strict=True):
-        try:
-            if isinstance(reply, Exception):
-                raise reply
-            ids.append(check_submit_reply(reply, req.id))
-        except Exception as e:  # re-raised below, after the bookkeeping
-            ids.append(None)
-            first = first or e
+def collect_replies(results: list[Any]) -> list[str]:
+    """The job ids of a pipeline of SUBMITs (``pagedq.wire.script.pipelined``: an id, or
+    the error in its place); the first error is raised with ``.job_ids`` (None where
+    refused)."""
+    ids = [None if isinstance(x, Exception) else x for x in results]
+    first = next((x for x in results if isinstance(x, Exception)), None)
     if first is not None:
         first.job_ids = ids  # type: ignore[attr-defined]
         raise first

@@ -28,7 +28,7 @@ from pagedq.wire import lua
 from pagedq.wire.errors import JobNotFound
 from pagedq.wire.invariants import queue_counters
 from pagedq.wire.keys import GROUP, Keys
-from pagedq.wire.scripts import CANCEL_LUA, cancel_call
+from pagedq.wire.scripts import Cancel
 from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
 from pagedq.worker.tenants import fair_take, rotated
@@ -208,6 +208,20 @@ def test_every_script_command_is_seen_by_the_parser():
     assert "xrevrange" in acl.commands_of_scripts(("cancel",))  # pcall(redis.call, ...)
 
 
+def test_each_role_gets_the_commands_of_the_scripts_it_declares_it_runs():
+    """wire/lua's SCRIPTS say who runs what: a role's command rules hold every command of
+    its scripts, and no role but the worker's gets a worker script's XACK."""
+    assert set().union(*(s.roles for s in lua.SCRIPTS.values())) <= set(acl.ROLES)
+    for role in ("producer", "batch", "worker", "gateway"):
+        rules = set(acl.command_rules(role))
+        mine = [n for n, s in lua.SCRIPTS.items() if role in s.roles]
+        assert mine, role
+        for name in mine:
+            assert {f"+{c}" for c in acl.commands_of_scripts((name,))} <= rules, (role, name)
+    assert "+hdel" in acl.command_rules("batch")  # batch_release.lua
+    assert "+xack" in acl.command_rules("worker") and "+xack" not in acl.command_rules("producer")
+
+
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
     out = tmp_path / "users.acl"
     for argv, what in [(["--tenant", "bad{x}"], "invalid prefix"),
@@ -297,12 +311,12 @@ def test_another_tenant_cannot_read_cancel_or_forge_a_job(env):
     job = a.submit("tenant one's secret prompt", max_tokens=300, ignore_eos=True)
     until(lambda: a.status(job).status == "running", "the job running", 60)
     r, k = env.raw(f"producer-{T2}"), Keys(T1)
-    cancel_keys, cancel_args = cancel_call(k, job, Settings())
+    cancel_keys, cancel_args = Cancel(k, job, Settings()).keys_args()
     for what in (lambda: r.xrange(k.jobs(MODEL, "interactive")),
                  lambda: r.hget(k.job(job), "status"),
                  lambda: r.hset(k.job(job), "status", "finished"),
                  lambda: r.xadd(k.out(job), {"t": "final", "text": "forged"}),
-                 lambda: r.evalsha(r.script_load(CANCEL_LUA), 3, *cancel_keys, *cancel_args),
+                 lambda: r.evalsha(r.script_load(lua.source("cancel")), 3, *cancel_keys, *cancel_args),
                  lambda: r.execute_command("SUBSCRIBE", k.chan(job))):
         noperm(what)
     # through the client too: its keys are tenant one's, its user tenant two's

@@ -106,6 +106,32 @@ def test_the_worker_and_the_clients_share_only_the_wire_contract():
                       "pagedq.gateway", "torch"))
 
 
+def _sources() -> list[tuple[str, str]]:
+    """(path, text) of every module of pagedq's packages and its root."""
+    out = []
+    for pkg in ("pagedq", *PACKAGES):
+        for dirpath, _dirs, files in os.walk(os.path.join(ROOT, pkg)):
+            out += [(os.path.relpath(os.path.join(dirpath, n), ROOT),
+                     open(os.path.join(dirpath, n)).read()) for n in files if n.endswith(".py")]
+    return out
+
+
+def test_every_lua_script_is_a_file_of_wire_lua_run_one_way():
+    """No Lua inside Python strings; every .lua file of wire/lua/ is a declared script (or
+    a prelude) and every declared script has its file; nothing but pagedq.wire.script
+    sends a script (EVALSHA) or makes redis-py Script objects."""
+    from pagedq.wire import lua
+
+    inline = [p for p, text in _sources() if "redis.call(" in text and "KEYS[" in text]
+    assert not inline, inline
+    files = {n[:-4] for n in os.listdir(os.path.join(ROOT, "wire", "lua")) if n.endswith(".lua")}
+    preludes = {s.prelude for s in lua.SCRIPTS.values()} - {None}
+    assert files == set(lua.SCRIPTS) | preludes, files ^ (set(lua.SCRIPTS) | preludes)
+    runs = [p for p, text in _sources() if p != os.path.join("wire", "script.py")
+            and re.search(r"register_script\(|evalsha\(|command\(\s*\"EVAL|\.eval\(\s*[A-Z_]", text)]
+    assert not runs, runs
+
+
 def test_scheduler_and_block_manager_do_not_import_torch():
     _loaded("import pagedq.engine.scheduler, pagedq.engine.block_manager", prefixes=("torch",))
 

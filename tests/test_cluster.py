@@ -31,7 +31,7 @@ from pagedq.wire.cluster_keys import moving_keys
 from pagedq.wire.errors import JobNotFound
 from pagedq.wire.keys import Keys, new_job_id, partition_of
 from pagedq.wire.schema import FinalEvent, JobRequest
-from pagedq.wire.scripts import req_hash, submit_call
+from pagedq.wire.scripts import Submit, req_hash
 from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
 from tests.cluster_fixture import Cluster
@@ -134,7 +134,7 @@ def greedy(c: Client, max_tokens: int = 40, **kw) -> str:
 def test_one_partition_keys_are_the_original_scheme(redis_server):
     s = Settings(redis_url=redis_server.url, prefix="n1", model=MODEL)  # partitions=1
     req = JobRequest(id="k1", model=MODEL, prompt="hi", max_tokens=4)
-    keys, _ = submit_call(Keys("n1"), req, s)
+    keys, _ = Submit(Keys("n1"), req, s).keys_args()
     assert keys == ["{n1}:job:k1", "{n1}:jobs:tiny:interactive",
                     "{n1}:qtokens:tiny:interactive", "{n1}:out:k1",
                     "{n1}:qjobs:tiny:interactive", "{n1}:serving:tiny", "{n1}:models"]

@@ -152,16 +152,16 @@ def with_scripts(text: str, scripts: dict[str, str]) -> str:
 def test_protocol_doc_carries_the_scripts_verbatim():
     """The doc's copies are the text the Python client sends. After changing a script,
     ``PAGEDQ_UPDATE_DOCS=1 pytest tests/test_docs.py -k verbatim`` rewrites them."""
-    from pagedq.wire.scripts import CANCEL_LUA, SUBMIT_LUA
+    from pagedq.wire.lua import source
 
-    code = {"SUBMIT_LUA": SUBMIT_LUA, "CANCEL_LUA": CANCEL_LUA}
+    code = {"SUBMIT_LUA": source("submit"), "CANCEL_LUA": source("cancel")}
     if os.environ.get("PAGEDQ_UPDATE_DOCS") == "1":
         PROTOCOL.write_text(with_scripts(doc_text(), code), encoding="utf-8")
     blocks = lua_blocks(doc_text())
     assert blocks.keys() == code.keys()
     for name, text in code.items():
         assert blocks[name] == text.strip("\n"), (
-            f"docs/protocol.md's copy of {name} differs from pagedq.wire.scripts.{name}; "
+            f"docs/protocol.md's copy of {name} differs from its wire/lua/ source; "
             f"PAGEDQ_UPDATE_DOCS=1 pytest tests/test_docs.py -k verbatim rewrites it")
 
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import lua
+from . import script
 from .keys import DEFAULT_LANE, Keys
-
-SNAPSHOT_LUA = lua.source("queue_snapshot")
+from .script import ScriptCall
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +28,26 @@ class QueueCounters:
                                                           self.expected_tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class QueueSnapshot(ScriptCall):
+    """QUEUE_SNAPSHOT of a lane (wire/lua/queue_snapshot.lua) -> QueueCounters."""
+
+    SCRIPT = "queue_snapshot"
+    keys: Keys
+    model: str
+    lane: str
+
+    def keys_args(self) -> tuple[list[str], list[Any]]:
+        k = self.keys
+        return ([k.jobs(self.model, self.lane), k.queued_tokens(self.model, self.lane),
+                 k.queued_jobs(self.model, self.lane)], [k.base])
+
+    def parse(self, reply: Any) -> QueueCounters:
+        jobs, tokens, qjobs, qtokens = reply
+        return QueueCounters(int(qjobs), int(qtokens), int(jobs), int(tokens))
+
+
 def queue_counters(r: Any, keys: Keys, model: str, lane: str = DEFAULT_LANE) -> QueueCounters:
     """One atomic snapshot of a lane's queue counters and what they should be (sync
     redis client)."""
-    jobs, tokens, qjobs, qtokens = r.eval(SNAPSHOT_LUA, 3, keys.jobs(model, lane),
-                                          keys.queued_tokens(model, lane),
-                                          keys.queued_jobs(model, lane), keys.base)
-    return QueueCounters(int(qjobs), int(qtokens), int(jobs), int(tokens))
+    return script.run(r, QueueSnapshot(keys, model, lane))

@@ -1,28 +1,42 @@
-"""KEYS and ARGV of the worker's scripts (wire/lua/{start,publish,finish,reject,refresh,
-expire_unserved}.lua), built in one place with typed arguments, so the worker never
-lists them inline and a script's contract is written next to its header only once more.
-
-Each function returns a ``Call`` (KEYS, ARGV) for ``pagedq.worker.lua.Script(...)(*call)``. Like
-the producer's calls (wire/scripts.py), keys come from wire/keys.py.
+"""The worker's scripts (wire/lua/{start,publish,finish,reject,refresh,expire_unserved}.lua:
+KEYS, ARGV and replies in each file's header) as calls: each script's arguments named and
+typed, its KEYS and ARGV built in one place (keys from wire/keys.py), its reply parsed.
+They run through pagedq.wire.script, queued on the worker's pipelines (a NOSCRIPT reply:
+``script.load(r, NAMES)`` and the round again: every one of them is fenced or idempotent).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
+from . import lua
 from .keys import GROUP, Keys
+from .script import ScriptCall
+
+NAMES = tuple(n for n, s in lua.SCRIPTS.items() if "worker" in s.roles)  # what a worker runs
 
 
-class Call(NamedTuple):
-    keys: list[str]
-    args: list[Any]
+@dataclass(frozen=True, slots=True)
+class Start(ScriptCall):
+    """START: make this worker the job's owner -> ``Started``."""
 
+    SCRIPT = "start"
+    keys: Keys
+    job_id: str
+    model: str
+    lane: str
+    worker_id: str
+    max_deliveries: int
 
-def start(keys: Keys, job_id: str, model: str, lane: str, worker_id: str,
-          max_deliveries: int) -> Call:
-    return Call([keys.job(job_id), keys.queued_tokens(model, lane),
-                 keys.queued_jobs(model, lane)], [worker_id, model, max_deliveries])
+    def keys_args(self) -> tuple[list[str], list[Any]]:
+        k = self.keys
+        return ([k.job(self.job_id), k.queued_tokens(self.model, self.lane),
+                 k.queued_jobs(self.model, self.lane)],
+                [self.worker_id, self.model, self.max_deliveries])
+
+    def parse(self, reply: Any) -> Started:
+        return Started.parse(reply)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,41 +61,107 @@ class Started:
         return cls(kind, status=reply[1])
 
 
-def finish(keys: Keys, job_id: str, stream: str, entry_id: str, attempt: int, status: str,
-           finish_reason: str, text: str, error: str, prompt_tokens: int,
-           completion_tokens: int, index: int, now: float, result_ttl_s: int, maxlen: int,
-           choices: list[dict[str, Any]] | None) -> Call:
-    return Call([keys.job(job_id), keys.out(job_id), stream, keys.cancel],
-                [attempt, status, finish_reason, text, error, prompt_tokens, completion_tokens,
-                 index, result_ttl_s, entry_id, GROUP, job_id, keys.chan(job_id),
-                 f"{now:.6f}", maxlen, json.dumps(choices) if choices else ""])
+@dataclass(frozen=True, slots=True)
+class Finish(ScriptCall):
+    """FINISH: the terminal record, the final event (at ``index``) and the ack of the
+    job's entry, fenced by ``attempt`` -> 'ok' | 'dup' (already terminal under our attempt:
+    just acked) | 'fenced' (not ours)."""
+
+    SCRIPT = "finish"
+    keys: Keys  # the job's tenant's
+    job_id: str
+    stream: str  # the jobs stream holding its entry
+    entry_id: str
+    attempt: int
+    status: str
+    finish_reason: str
+    text: str
+    error: str
+    prompt_tokens: int
+    completion_tokens: int
+    index: int
+    now: float
+    result_ttl_s: int
+    maxlen: int
+    choices: list[dict[str, Any]] | None = None  # n > 1 only
+
+    def keys_args(self) -> tuple[list[str], list[Any]]:
+        k, job_id = self.keys, self.job_id
+        return ([k.job(job_id), k.out(job_id), self.stream, k.cancel],
+                [self.attempt, self.status, self.finish_reason, self.text, self.error,
+                 self.prompt_tokens, self.completion_tokens, self.index, self.result_ttl_s,
+                 self.entry_id, GROUP, job_id, k.chan(job_id), f"{self.now:.6f}",
+                 self.maxlen, json.dumps(self.choices) if self.choices else ""])
 
 
-def reject(keys: Keys, model: str, lane: str, entry_id: str, reason: str, job_id: str,
-           body: bytes, now: float, result_ttl_s: int, deliveries: int, dlq_ttl_s: int) -> Call:
-    """``job_id`` '' when the entry names no usable job (no record is touched then)."""
-    j = job_id or "_"
-    return Call([keys.jobs(model, lane), keys.dlq(model, lane), keys.job(j), keys.out(j),
-                 keys.queued_tokens(model, lane), keys.queued_jobs(model, lane)],
-                [GROUP, entry_id, reason, job_id, body, f"{now:.6f}", result_ttl_s,
-                 keys.chan(j), deliveries, dlq_ttl_s])
+@dataclass(frozen=True, slots=True)
+class Reject(ScriptCall):
+    """REJECT: dead-letter an entry that can never run, fail its job. ``job_id`` '' when
+    the entry names no usable job (no record is touched then)."""
+
+    SCRIPT = "reject"
+    keys: Keys
+    model: str
+    lane: str
+    entry_id: str
+    reason: str
+    job_id: str
+    body: bytes
+    now: float
+    result_ttl_s: int
+    deliveries: int
+    dlq_ttl_s: int
+
+    def keys_args(self) -> tuple[list[str], list[Any]]:
+        k, j = self.keys, self.job_id or "_"
+        return ([k.jobs(self.model, self.lane), k.dlq(self.model, self.lane), k.job(j),
+                 k.out(j), k.queued_tokens(self.model, self.lane),
+                 k.queued_jobs(self.model, self.lane)],
+                [GROUP, self.entry_id, self.reason, self.job_id, self.body,
+                 f"{self.now:.6f}", self.result_ttl_s, k.chan(j), self.deliveries,
+                 self.dlq_ttl_s])
 
 
-def refresh(keys: Keys, stream: str, worker_id: str,
-            owned: list[tuple[str, str, int]]) -> Call:
-    """``owned``: (job id, entry id, attempt) of the worker's jobs on ``stream``."""
-    ks, args = [stream], [GROUP, worker_id]
-    for job_id, entry_id, attempt in owned:
-        ks.append(keys.job(job_id))
-        args += [entry_id, attempt]
-    return Call(ks, args)
+@dataclass(frozen=True, slots=True)
+class Refresh(ScriptCall):
+    """REFRESH: reset the idle time of the worker's entries on ``stream`` whose job is still
+    its own. ``owned``: (job id, entry id, attempt) of each."""
+
+    SCRIPT = "refresh"
+    keys: Keys
+    stream: str
+    worker_id: str
+    owned: list[tuple[str, str, int]]
+
+    def keys_args(self) -> tuple[list[str], list[Any]]:
+        ks, args = [self.stream], [GROUP, self.worker_id]
+        for job_id, entry_id, attempt in self.owned:
+            ks.append(self.keys.job(job_id))
+            args += [entry_id, attempt]
+        return ks, args
 
 
-def expire_unserved(keys: Keys, model: str, lane: str, unserved_timeout_s: float,
-                    result_ttl_s: int, max_entries: int) -> Call:
-    return Call([keys.jobs(model, lane), keys.serving(model), keys.queued_tokens(model, lane),
-                 keys.queued_jobs(model, lane), keys.cancel],
-                [keys.base, unserved_timeout_s, result_ttl_s, max_entries])
+@dataclass(frozen=True, slots=True)
+class ExpireUnserved(ScriptCall):
+    """EXPIRE_UNSERVED of a model's lane -> how many jobs it expired."""
+
+    SCRIPT = "expire_unserved"
+    keys: Keys
+    model: str
+    lane: str
+    unserved_timeout_s: float
+    result_ttl_s: int
+    max_entries: int
+
+    def keys_args(self) -> tuple[list[str], list[Any]]:
+        k = self.keys
+        return ([k.jobs(self.model, self.lane), k.serving(self.model),
+                 k.queued_tokens(self.model, self.lane), k.queued_jobs(self.model, self.lane),
+                 k.cancel],
+                [k.base, self.unserved_timeout_s, self.result_ttl_s, self.max_entries])
+
+    def parse(self, reply: Any) -> int:
+        return int(reply)
 
 
 def event_keys(k: Keys, job_id: str) -> tuple[str, str, str]:
@@ -90,16 +170,19 @@ def event_keys(k: Keys, job_id: str) -> tuple[str, str, str]:
 
 
 @dataclass(slots=True)
-class Publish:
+class Publish(ScriptCall):
     """One PUBLISH call, built event by event: ``add`` one event per (job, choice), each
-    with its job's keys (the jobs of one call may belong to several tenants' prefixes)."""
+    with its job's keys (the jobs of one call may belong to several tenants' prefixes) ->
+    the positions (in ``add`` order) of the events whose job is no longer ours."""
 
+    SCRIPT = "publish"
     maxlen: int
     idle_ttl_s: int
-    call: Call = field(init=False)
+    _keys: list[str] = field(init=False, default_factory=list)
+    _args: list[Any] = field(init=False, default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.call = Call([], [self.maxlen, self.idle_ttl_s])
+    def keys_args(self) -> tuple[list[str], list[Any]]:
+        return self._keys, [self.maxlen, self.idle_ttl_s, *self._args]
 
     def add(self, k: Keys, job_id: str, attempt: int, index: int, delta: str,
             token_ids: list[int], logprobs: list[Any] | None, choice: int | None,
@@ -113,11 +196,10 @@ class Publish:
         """``add`` with the job's ``event_keys`` built once by the caller (the publisher
         adds an event of every running job at every round)."""
         job_key, out_key, chan = names
-        self.call.keys.extend((job_key, out_key))
-        self.call.args.extend((attempt, index, delta, ",".join(map(str, token_ids)),
-                               json.dumps(logprobs) if logprobs else "", chan,
-                               "" if choice is None else choice, finish_reason or ""))
+        self._keys.extend((job_key, out_key))
+        self._args.extend((attempt, index, delta, ",".join(map(str, token_ids)),
+                           json.dumps(logprobs) if logprobs else "", chan,
+                           "" if choice is None else choice, finish_reason or ""))
 
-    def lost(self, reply: list[Any]) -> list[int]:
-        """Positions (in ``add`` order) of the events whose job is no longer ours."""
+    def parse(self, reply: Any) -> list[int]:
         return [int(pos) for pos in reply[1]]

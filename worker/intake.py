@@ -30,12 +30,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import redis
 
-from pagedq.wire import worker_scripts
+from pagedq.wire import script
 from pagedq.wire.events import replay
 from pagedq.wire.keys import GROUP, Keys
 from pagedq.wire.schema import FinishReason, JobRequest, Status
-from pagedq.wire.worker_scripts import Started
-from pagedq.worker import faults, lanes, lua, tenants
+from pagedq.wire.worker_scripts import NAMES as WORKER_SCRIPTS
+from pagedq.wire.worker_scripts import Reject, Start, Started
+from pagedq.worker import faults, lanes, tenants
 from pagedq.worker.jobs import BadEntry, Job, WorkerIdentity, parse_entry, sampling_params
 from pagedq.worker.metrics import Metrics
 from pagedq.worker.pacing import StepPacer
@@ -81,8 +82,6 @@ class Intake:
         self.model, self.worker_id = ident.model, ident.worker_id
         self.engine, self.publisher, self.metrics, self.pacer = engine, publisher, metrics, pacer
         self.jobs, self.end_job, self.log = jobs, end_job, log
-        self._start = lua.Script(self.r, lua.START)
-        self._reject = lua.Script(self.r, lua.REJECT)
         self.round_trips = 0  # Redis round trips of the engine thread (bench/service.py)
         self.read_round_trips = 0  # of the reader thread (busy reads), the only writer
         # A busy worker's reads, and the START of what they read, run here, one read at a
@@ -319,45 +318,47 @@ class Intake:
             return EntryRead(keys, lane, entry_id, fields, "running")
         return EntryRead(keys, lane, entry_id, fields, "parsed", req=req)
 
-    def _start_call(self, e: EntryRead) -> worker_scripts.Call:
-        return worker_scripts.start(e.keys, e.fields["job"], self.model, e.lane,
-                                    self.worker_id, self.s.max_deliveries)
+    def _start_call(self, e: EntryRead) -> Start:
+        return Start(e.keys, e.fields["job"], self.model, e.lane, self.worker_id,
+                     self.s.max_deliveries)
 
-    def _start_reply(self, e: EntryRead):
+    def _start_reply(self, e: EntryRead) -> Started | redis.ResponseError:
         try:
-            return self._start(*self._start_call(e))
+            return script.run(self.r, self._start_call(e))
         except redis.ResponseError as err:  # e.g. WRONGTYPE: a hostile write to the job's keys
             return err
 
     def _start_many(self, parsed: list[EntryRead]) -> list:
-        """START for each entry, in one pipelined round trip (the reader thread's): the
-        replies, a ResponseError where Redis refused one."""
+        """START for each entry, in one pipelined round trip (the reader thread's): each
+        one's Started, a ResponseError where Redis refused one."""
         todo, replies = list(range(len(parsed))), [None] * len(parsed)
         while todo:
             self.read_round_trips += 1
             pipe = self.r.pipeline(transaction=False)
-            for i in todo:
-                self._start(*self._start_call(parsed[i]), client=pipe)
+            calls = [self._start_call(parsed[i]) for i in todo]
+            for call in calls:
+                script.queue(pipe, call)
             res = pipe.execute(raise_on_error=False)
-            if (down := lua.failed(res)) is not None:
-                raise down
-            for i, x in zip(todo, res, strict=True):
+            script.raise_retryable(res)
+            for i, x in zip(todo, script.results(calls, res), strict=True):
                 replies[i] = x
             # Redis lost its script cache: load it, send those again (none of them ran)
             todo = [i for i, x in zip(todo, res, strict=True)
                     if isinstance(x, redis.exceptions.NoScriptError)]
             if todo:
-                lua.load_all(self.r)
+                script.load(self.r, WORKER_SCRIPTS)
         return replies
 
     @staticmethod
-    def _started(e: EntryRead, reply) -> EntryRead:
+    def _started(e: EntryRead, reply: Started | Exception) -> EntryRead:
         """``e`` with START's ``reply`` (a ResponseError where Redis refused the job's keys:
-        the entry is dead-lettered)."""
+        the entry is dead-lettered; any other error is a fault)."""
         if isinstance(reply, redis.ResponseError):
             return dataclasses.replace(e, kind="bad", job_id=e.fields["job"],
                                        error=f"redis refused the job's keys: {reply}")
-        return dataclasses.replace(e, kind="started", started=Started.parse(reply))
+        if isinstance(reply, Exception):
+            raise reply
+        return dataclasses.replace(e, kind="started", started=reply)
 
     def _admit_read(self, e: EntryRead, deliveries: int) -> None:
         """The second half of admission, on the engine thread. Whatever the entry holds, it
@@ -481,10 +482,9 @@ class Intake:
         # bytes, as they came: hiredis packs str arguments as strict UTF-8, and a body that
         # is not UTF-8 arrives here with surrogate escapes (see Worker's connection)
         body = str(fields.get("body", fields))[:DLQ_BODY_CHARS].encode("utf-8", "surrogateescape")
-        self._reject(*worker_scripts.reject(keys, self.model, lane, entry_id,
-                                            reason[:DLQ_BODY_CHARS], job_id or "", body,
-                                            time.time(), self.s.result_ttl_s, deliveries,
-                                            self.s.dlq_ttl_s))
+        script.run(self.r, Reject(keys, self.model, lane, entry_id, reason[:DLQ_BODY_CHARS],
+                                  job_id or "", body, time.time(), self.s.result_ttl_s,
+                                  deliveries, self.s.dlq_ttl_s))
         if job_id:
             self.jobs.pop(keys.job(job_id), None)
         self.metrics.finished.labels(Status.failed).inc()

@@ -29,11 +29,11 @@ from typing import Any
 import redis
 import structlog
 
-from pagedq.wire import worker_scripts
+from pagedq.wire import script, worker_scripts
 from pagedq.wire.connection import RETRYABLE, is_cluster
 from pagedq.wire.keys import Keys
 from pagedq.wire.settings import Settings
-from pagedq.worker import fatal, faults, lua
+from pagedq.worker import fatal, faults
 
 log = structlog.get_logger("pagedq.publisher")
 
@@ -96,8 +96,6 @@ class Publisher:
     def __init__(self, r: redis.Redis, settings: Settings) -> None:
         self.r, self.s = r, settings
         self._per_slot = is_cluster(r)  # one PUBLISH call per key space, not one per round
-        self._publish = lua.Script(r, lua.PUBLISH)
-        self._finish = lua.Script(r, lua.FINISH)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         # owned by the publisher thread, by uid: the next event index, whose job it is
         self._next_index: dict[str, int] = {}
@@ -244,25 +242,26 @@ class Publisher:
         backoff = 0.05
         while True:
             try:
+                now = time.time()
+                finishes = [worker_scripts.Finish(
+                    f.keys, f.job_id, f.stream, f.entry_id, f.attempt, f.status, f.finish_reason,
+                    f.text, f.error, f.prompt_tokens, f.completion_tokens,
+                    self._next_index.get(f.uid, 0), now, self.s.result_ttl_s, self.s.out_maxlen,
+                    f.choices) for f in finals]
                 pipe = self.r.pipeline(transaction=False)
                 for pub, _ in pubs.values():
-                    self._publish(*pub.call, client=pipe)
-                for f in finals:
-                    self._finish(*worker_scripts.finish(
-                        f.keys, f.job_id, f.stream, f.entry_id, f.attempt, f.status,
-                        f.finish_reason, f.text, f.error, f.prompt_tokens, f.completion_tokens,
-                        self._next_index.get(f.uid, 0), time.time(), self.s.result_ttl_s,
-                        self.s.out_maxlen, f.choices), client=pipe)
+                    script.queue(pipe, pub)
+                for call in finishes:
+                    script.queue(pipe, call)
                 for fn in calls:
                     fn(pipe)
                 for cancel_set, jobs in asks.items():
                     pipe.smismember(cancel_set, [job_id for _, job_id in jobs])
                 res = pipe.execute(raise_on_error=False)
-                if lua.noscript(res):  # Redis lost its script cache: load, send it all again
-                    lua.load_all(self.r)
+                if script.noscript(res):  # Redis lost its script cache: load, send it all again
+                    script.load(self.r, worker_scripts.NAMES)
                     continue
-                if (down := lua.failed(res)) is not None:
-                    raise down
+                script.raise_retryable(res)
                 break
             except RETRYABLE as e:
                 self.errors += 1
@@ -277,9 +276,10 @@ class Publisher:
         base = len(pubs)
         for (pub, published), reply in zip(pubs.values(), res, strict=False):
             if isinstance(reply, list):
-                for pos in pub.lost(reply):
+                for pos in pub.parse(reply):
                     self.lost.put(published[pos])
-        for f, verdict in zip(finals, res[base:base + len(finals)], strict=True):
+        for f, verdict in zip(finals, script.results(finishes, res[base:base + len(finals)]),
+                              strict=True):
             if self._attempt.get(f.uid) == f.attempt:  # (else a newer attempt runs here)
                 self._next_index.pop(f.uid, None)
                 self._owner.pop(f.uid, None)
