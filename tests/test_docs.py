@@ -94,6 +94,27 @@ def test_json_schema_generator_does_not_import_torch():
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+# ---------------------------------------------------------------- configuration.md
+
+def test_configuration_doc_tables_are_made_from_the_declarations(tmp_path):
+    """docs/configuration.md's tables are what worker/config_doc.py makes of the settings'
+    declarations; --check fails on an edited copy and writing repairs it."""
+    run = [sys.executable, "-m", "pagedq.worker.config_doc"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([*run, "--check"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    copy = tmp_path / "configuration.md"
+    text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    copy.write_text(text.replace("| `64` | sequences in one engine step",
+                                 "| `32` | sequences in one engine step"), encoding="utf-8")
+    res = subprocess.run([*run, "--check", "--doc", str(copy)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "configuration.md" in res.stderr
+    subprocess.run([*run, "--doc", str(copy)], cwd=ROOT, env=env, check=True, timeout=120)
+    assert copy.read_text(encoding="utf-8") == text
+
+
 # ---------------------------------------------------------------- no links outside
 
 # built from parts, so that this file does not match itself

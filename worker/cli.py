@@ -25,9 +25,20 @@ import re
 import signal
 from collections.abc import Iterable
 
+from pagedq.wire.declared import Declared
+from pagedq.wire.settings import Settings
 from pagedq.worker import fatal
-from pagedq.worker.config import ConfigError, Resolved, resolve
-from pagedq.worker.settings import LOG_LEVELS
+from pagedq.worker.config import (
+    SERVICE_FLAGS,
+    ConfigError,
+    Resolved,
+    flag_default,
+    flag_help,
+    flag_name,
+    plain,
+    resolve,
+)
+from pagedq.worker.settings import ENGINE, PROCESS
 
 EXIT_CLEAN = 0
 # 70: the step watchdog (worker/liveness.py); 71: an unexpected error in a worker thread;
@@ -36,14 +47,6 @@ EXIT_WEDGED, EXIT_THREAD_ERROR, EXIT_CONFIG = fatal.EXIT_WEDGED, fatal.EXIT_FAUL
 
 WORKER_EXIT_CODES_HELP = "exit codes of `pagedq worker`:\n" + __doc__.split(
     "Exit codes of ``pagedq worker``:\n\n", 1)[1].split("\nThe client commands'", 1)[0]
-
-# Engine options -> EngineConfig field names (their defaults live in engine/config.py,
-# not imported here: building the parser must not import the engine; a test checks them).
-# Every option defaults to None = not given, so that the environment and the config file
-# (worker/config.py) apply underneath it.
-ENGINE_INT_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                      "num_kv_blocks", "block_size", "prefill_wait_steps")
-
 
 def register(sub: argparse._SubParsersAction, parents: Iterable[argparse.ArgumentParser]) -> None:
     """Add `pagedq worker` and `pagedq config`."""
@@ -69,96 +72,47 @@ def register(sub: argparse._SubParsersAction, parents: Iterable[argparse.Argumen
 
 
 def add_worker_args(w: argparse.ArgumentParser) -> None:
-    """The options of `pagedq worker` (and of `pagedq config`, which shows their effect)."""
+    """The options of `pagedq worker` (and of `pagedq config`, which shows their effect):
+    one per declared setting that has a flag (worker/settings.py, wire/engine_config.py)
+    and per service flag (worker/config.py SERVICE_FLAGS), every default default None =
+    not given, so that the environment and the config file apply underneath it."""
     w.add_argument("--config", default=None, metavar="FILE",
                    help="YAML file of settings, sections model/scheduler/cache/service; flags "
                         "and PAGEDQ_* variables override it (default: $PAGEDQ_CONFIG or none)")
     add_engine_args(w)
-    w.add_argument("--worker-id", default=None,
-                   help="stable consumer name; a restarted worker with the same id re-reads "
-                        "its own pending jobs (default: <hostname>-<pid>)")
-    w.add_argument("--log-level", default=None, choices=LOG_LEVELS, type=str.lower,
-                   help="log level of the JSON logs on stderr "
-                        "(default: $PAGEDQ_LOG_LEVEL or info)")
-    w.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve Prometheus metrics on this port "
-                        "(default: $PAGEDQ_METRICS_PORT or 0 = off)")
-    w.add_argument("--metrics-host", default=None, metavar="HOST",
-                   help="address the metrics endpoint listens on; 0.0.0.0 = every interface "
-                        "(default: $PAGEDQ_METRICS_HOST or 127.0.0.1)")
-    w.add_argument("--lanes", default=None, metavar="A,B,...",
-                   help="the lanes (jobs streams) to serve, highest first "
-                        "(default: $PAGEDQ_LANES or interactive,batch)")
-    w.add_argument("--prefixes", default=None, metavar="A,B,...",
-                   help="serve the jobs of these tenants' key prefixes, fairly within each "
-                        "lane (default: $PAGEDQ_PREFIXES, else just --prefix)")
-    w.add_argument("--lane-min-share", type=float, default=None, metavar="F",
-                   help="seats each lower lane keeps while it has work, as a share of "
-                        "--max-num-seqs (default: $PAGEDQ_LANE_MIN_SHARE or 0.1)")
+    for d in PROCESS:
+        if d.setting.section == "service":
+            add_flag(w, d)
+    fields = Settings.model_fields
+    for name, metavar in SERVICE_FLAGS.items():
+        f = fields[name]
+        w.add_argument(flag_name(name), dest=name, default=None, metavar=metavar,
+                       type=f.annotation if f.annotation in (int, float) else str,
+                       help=f"{plain(f.description)} (default: {flag_default(f.default)})")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="'smollm2' (bundled), a local HF folder, or a .gguf file "
-                        "(default: $PAGEDQ_MODEL or smollm2)")
-    p.add_argument("--served-name", default=None,
-                   help="jobs stream name for this model (default: the --model value if it "
-                        "is a name, else the folder/file stem)")
-    p.add_argument("--device", default=None,
-                   help="auto, cpu, cuda or cuda:N (default: auto = cuda if available, "
-                        "else cpu)")
-    p.add_argument("--dtype", default=None,
-                   help="auto, float32, bfloat16 or float16 (default: auto = bfloat16 "
-                        "on CUDA, float32 on CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
-                   help="sequences in one engine step (default: 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help="token budget of one engine step, >= --max-num-seqs (default: 2048)")
-    p.add_argument("--prefill-wait-steps", type=int, default=None, metavar="N",
-                   help="decode-only steps a new job may wait so that arrivals are "
-                        "prefilled together (a step that prefills costs more than a decode "
-                        "step) (default: 4 with piecewise CUDA graphs, 16 with decode graphs "
-                        "only (tensor-parallel), else 0)")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="longest sequence, prompt + output (default: the model's context "
-                        "length, lowered to what the KV cache holds)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
-                   help="KV-cache blocks (default: sized from memory)")
-    p.add_argument("--block-size", type=int, default=None, metavar="N",
-                   help="tokens per KV block: 8, 16, 32, 64 or 128 (default: 16)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
-                   help="CUDA: share of the device's memory the engine may use, in (0, 1] "
-                        "(default: 0.9)")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None, metavar="GB",
-                   help="CPU: memory of the KV cache when --num-kv-blocks is not given "
-                        "(default: 1.0)")
-    p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
-                   help="dummy: random weights from config.json alone, for benchmarks "
-                        "(default: auto)")
-    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
-                   help="fp8: float8_e4m3 KV cache, twice the tokens per GiB (accuracy: "
-                        "docs/benchmarks.md) (default: auto = the model dtype)")
-    p.add_argument("--scheduling-policy", default=None, choices=["priority", "fcfs"],
-                   help="priority: higher lanes and priorities go first and may preempt "
-                        "lower ones; fcfs: arrival order (default: priority)")
-    onoff = argparse.BooleanOptionalAction
-    p.add_argument("--enable-chunked-prefill", action=onoff, default=None,
-                   help="split long prompts over several steps (default: on)")
-    p.add_argument("--enable-prefix-caching", action=onoff, default=None,
-                   help="share the KV blocks of common prompt prefixes (default: on)")
-    p.add_argument("--enforce-eager", action=onoff, default=None,
-                   help="no CUDA graphs (default: off)")
-    p.add_argument("--async-scheduling", action=onoff, default=None,
-                   help="schedule step N+1 before step N's tokens reach the host "
-                        "(default: on for CUDA, off on the CPU)")
-    p.add_argument("--use-triton", action=onoff, default=None,
-                   help="Triton kernels (default: on for CUDA; the CPU runs kernels/cpu.py)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="noise seed of jobs without their own seed (default: random per process, "
-                        "so workers never share a noise stream)")
-    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
-                   help="ranks sharing the model, one process and one GPU each (cuda:N.. "
-                        "on --device cuda:N; gloo on cpu) (default: 1)")
+    """The model's and the engine's options (`pagedq worker`, `pagedq demo`)."""
+    for d in (*PROCESS, *ENGINE):
+        if d.setting.section != "service":
+            add_flag(p, d)
+
+
+def add_flag(p: argparse.ArgumentParser, d: Declared) -> None:
+    """``--<name>`` for declared setting ``d`` (a boolean: ``--<name>/--no-<name>``)."""
+    s = d.setting
+    if not s.flag:
+        return
+    kw: dict = {"dest": d.name, "default": None, "help": flag_help(d)}
+    if d.base is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    else:
+        kw["type"] = str.lower if s.lower else d.base
+        if s.flag_choices:
+            kw["choices"] = list(s.choices)
+        elif s.metavar:
+            kw["metavar"] = s.metavar
+    p.add_argument(flag_name(d.name), **kw)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -209,7 +163,7 @@ def check_config(args: argparse.Namespace) -> Resolved:
             raise ConfigError(f"{cfg.origin('metrics_host')} {settings.metrics_host!r}"
                               f" is not an address of this host ({e}); give an IP address "
                               f"such as 127.0.0.1 or 0.0.0.0") from None
-    from pagedq.engine.config import EngineConfig  # dataclasses only: no torch
+    from pagedq.wire.engine_config import EngineConfig  # the engine's own rules, no engine import
 
     try:
         EngineConfig(**cfg.engine_kwargs()).validate()
