@@ -38,7 +38,7 @@ def test_exit_codes_are_the_client_commands_numbers():
 
 def test_batch_group_and_every_option_states_its_default():
     progs = {p.prog for p in parsers(build_parser())}
-    assert {f"pagedq-client batch {c}" for c in SUBCOMMANDS} <= progs
+    assert {f"pagedq batch {c}" for c in SUBCOMMANDS} <= progs
     assert options_without_default(build_parser()) == []
 
 

@@ -12,21 +12,19 @@ import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .sampling import (  # noqa: F401 - describe, MAX_N, MAX_TOKENS_LIMIT: the schema's names too
+    MAX_N,
+    MAX_STOP_STRINGS,
+    MAX_TOKENS_LIMIT,
+    Text,
+    describe,
+    with_sampling,
 )
 
 SCHEMA_VERSION = 1
-MAX_TOKENS_LIMIT = 32768
 MAX_PROMPT_CHARS = 1_000_000
-MAX_STOP_STRINGS = 16
-MAX_N = 16
 LOGPROB_FLOOR = -9999.0  # what -inf (and NaN) log-probabilities are written as: JSON has no inf
 
 
@@ -53,30 +51,6 @@ class FinishReason(StrEnum):
     deadline = "deadline"  # the job's timeout_s ran out
     error = "error"  # status failed; the record's error says why
     no_worker = "no_worker"
-
-
-def describe(e: ValidationError, limit: int = 8) -> str:
-    """A validation error as one line: ``field: problem; field: problem``."""
-    parts = []
-    for err in e.errors()[:limit]:
-        # drop pydantic's internal union/validator tags such as "function-after[...]"
-        loc = ".".join(str(x) for x in err["loc"] if "[" not in str(x))
-        msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
-
-
-def _unicode(s: str) -> str:
-    """Lone surrogates (from "\\ud800" JSON escapes, or undecodable bytes) cannot be encoded
-    as UTF-8: neither Redis, the tokenizer nor another client could take them."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("text is not valid Unicode (it holds a lone surrogate)") from None
-    return s
-
-
-Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class ChatMessage(BaseModel):
@@ -137,9 +111,9 @@ def _openai_aliases(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-class JobRequest(BaseModel):
-    """One generation job. Exactly one of ``prompt`` or ``messages``. ``n`` > 1 asks for
-    n independent samples (choices) of the same prompt in one job."""
+class _RequestHead(BaseModel):
+    """What a job is: its schema version, id, model and input (JobRequest's first fields;
+    then the sampling fields of wire/sampling.py, then its own)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -149,23 +123,14 @@ class JobRequest(BaseModel):
     # text, or token ids (as OpenAI's completions API allows) for clients that tokenize
     prompt: Text | list[Annotated[int, Field(ge=0, lt=2**31)]] | None = None
     messages: list[ChatMessage] | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] = 128
-    temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = -1
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    stop: list[Annotated[Text, Field(min_length=1, max_length=256)]] = Field(
-        default_factory=list, max_length=MAX_STOP_STRINGS
-    )
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64)
-    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+
+
+class JobRequest(with_sampling(_RequestHead)):  # type: ignore[misc]
+    """One generation job. Exactly one of ``prompt`` or ``messages``. ``n`` > 1 asks for
+    n independent samples (choices) of the same prompt in one job."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
     # The lane (jobs stream) the job rides; unset = "interactive". Workers take from the
     # higher lanes first (docs/design.md "Lanes"); priority orders jobs inside a worker.
@@ -180,11 +145,6 @@ class JobRequest(BaseModel):
     @classmethod
     def _aliases(cls, data: Any) -> Any:
         return _openai_aliases(data) if isinstance(data, dict) else data
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_as_list(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _check(self) -> JobRequest:
@@ -207,8 +167,6 @@ class JobRequest(BaseModel):
                 raise ValueError(f"messages longer than {MAX_PROMPT_CHARS} characters")
             if not any(m.content.strip() for m in self.messages):
                 raise ValueError("all messages are empty")
-        if self.min_tokens > self.max_tokens:
-            raise ValueError("min_tokens must not exceed max_tokens")
         return self
 
     def body_json(self) -> str:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from pagedq.engine.sampling_params import SamplingParams
 from pagedq.wire.connection import is_cluster
 from pagedq.wire.keys import JOB_ID_RE, Keys
+from pagedq.wire.sampling import WIRE_FIELDS
 from pagedq.wire.schema import FinishReason, JobRequest, clean_logprob, describe
 from pagedq.wire.settings import Settings
 
@@ -183,15 +184,13 @@ def parse_entry(fields: dict[str, str], model: str, lane: str) -> JobRequest:
 
 
 def sampling_params(req: JobRequest, choice: int = 0) -> SamplingParams:
-    """Engine parameters of one choice: choice k of a seeded job draws from seed + k."""
-    seed = None if req.seed is None else (req.seed + choice) % 2**63
-    return SamplingParams(
-        max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-        top_k=req.top_k, min_p=req.min_p, seed=seed,
-        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, stop=list(req.stop),
-        stop_token_ids=list(req.stop_token_ids), min_tokens=req.min_tokens,
-        ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+    """Engine parameters of one choice, the request's sampling fields by name (one
+    declaration: wire/sampling.py): each choice is an engine request of its own (n = 1),
+    and choice k of a seeded job draws from seed + k."""
+    kw = {name: getattr(req, name) for name in WIRE_FIELDS}
+    kw["n"] = 1
+    kw["seed"] = None if req.seed is None else (req.seed + choice) % 2**63
+    return SamplingParams(**kw)
 
 
 def logprobs_json(lps: list[Any], token_text) -> list[dict[str, Any]]:
