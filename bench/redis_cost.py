@@ -85,7 +85,8 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
 
     from pagedq.wire import script
     from pagedq.wire.connection import connect
-    from pagedq.wire.worker_scripts import Start
+    from pagedq.wire.schema import FinishReason, Status
+    from pagedq.wire.worker_scripts import Start, StartKind
     from pagedq.worker.publisher import Final, Publisher
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
@@ -115,7 +116,7 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
                     job_id = fields["job"]
                     res = script.run(r, Start(k, job_id, MODEL, "interactive", wid,
                                               s.max_deliveries))
-                    if res.kind != "ok":
+                    if res.kind is not StartKind.ok:
                         continue
                     pub.register(k, job_id, res.attempt, 0)
                     running[k.job(job_id)] = [k, job_id, res.attempt, entry_id, load.max_tokens]
@@ -142,8 +143,8 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
         pub.tokens(batch)
         for uid in ended:
             k, job_id, attempt, entry_id, _ = running.pop(uid)
-            pub.final(Final(k, job_id, attempt, entry_id, k.jobs(MODEL), "finished", "length",
-                            text, "", PROMPT_TOKENS, load.max_tokens))
+            pub.final(Final(k, job_id, attempt, entry_id, k.jobs(MODEL), Status.finished,
+                            FinishReason.length, text, "", PROMPT_TOKENS, load.max_tokens))
         pub.flush()
         counters[PUB_TOKENS] += tokens
         counters[PUB_EVENTS] += len(batch)

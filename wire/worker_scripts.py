@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from . import lua
 from .keys import GROUP, Keys
+from .schema import FinishReason, Status
 from .script import ScriptCall
 
 NAMES = tuple(n for n, s in lua.SCRIPTS.items() if "worker" in s.roles)  # what a worker runs
@@ -39,26 +41,50 @@ class Start(ScriptCall):
         return Started.parse(reply)
 
 
+class StartKind(StrEnum):
+    """What START made of a job: ours now (``ok``), already ended (``terminal``), started
+    max_deliveries times without a result (``poison``)."""
+
+    ok = "ok"
+    terminal = "terminal"
+    poison = "poison"
+
+
+def _status(x: str) -> Status | str:
+    """A record's status; a value no pagedq writes (a hostile write) stays as it came."""
+    return Status(x) if x in Status.__members__ else x
+
+
 @dataclass(frozen=True, slots=True)
 class Started:
-    """START's reply: ``kind`` ok | terminal | poison."""
+    """START's reply."""
 
-    kind: str
+    kind: StartKind
     attempt: int = 0
     deadline: float | None = None
-    status: str = ""  # terminal: the job's status; ok: the status it was started from
+    # terminal: the job's status; ok: the status it was started from (queued or running)
+    status: Status | str = ""
     queue_wait_s: float = 0.0
     attempts: int = 0  # poison: how often it was started
 
     @classmethod
     def parse(cls, reply: list[Any]) -> Started:
-        kind = reply[0]
-        if kind == "ok":
-            return cls(kind, int(reply[1]), float(reply[2]) if reply[2] else None, reply[3],
-                       float(reply[4]))
-        if kind == "poison":
+        kind = StartKind(reply[0])
+        if kind is StartKind.ok:
+            return cls(kind, int(reply[1]), float(reply[2]) if reply[2] else None,
+                       _status(reply[3]), float(reply[4]))
+        if kind is StartKind.poison:
             return cls(kind, attempts=int(reply[1]))
-        return cls(kind, status=reply[1])
+        return cls(kind, status=_status(reply[1]))
+
+
+class Verdict(StrEnum):
+    """FINISH's reply: written (``ok``), already terminal under our attempt, just acked
+    (``dup``), not ours (``fenced``)."""
+
+    ok = "ok"
+    dup = "dup"
+    fenced = "fenced"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +99,8 @@ class Finish(ScriptCall):
     stream: str  # the jobs stream holding its entry
     entry_id: str
     attempt: int
-    status: str
-    finish_reason: str
+    status: Status
+    finish_reason: FinishReason
     text: str
     error: str
     prompt_tokens: int
@@ -92,6 +118,9 @@ class Finish(ScriptCall):
                  self.prompt_tokens, self.completion_tokens, self.index, self.result_ttl_s,
                  self.entry_id, GROUP, job_id, k.chan(job_id), f"{self.now:.6f}",
                  self.maxlen, json.dumps(self.choices) if self.choices else ""])
+
+    def parse(self, reply: Any) -> Verdict:
+        return Verdict(reply)
 
 
 @dataclass(frozen=True, slots=True)

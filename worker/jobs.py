@@ -15,6 +15,7 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
+from pagedq.engine.outputs import FinishReason as EngineReason
 from pagedq.engine.sampling_params import SamplingParams
 from pagedq.wire.connection import is_cluster
 from pagedq.wire.keys import JOB_ID_RE, Keys
@@ -75,7 +76,7 @@ class ChoiceState:
     text: io.StringIO = field(default_factory=io.StringIO)
     num_tokens: int = 0  # resumed + generated
     resumed_ids: list[int] = field(default_factory=list)  # replayed from an earlier attempt
-    finish_reason: str | None = None
+    finish_reason: FinishReason | str | None = None  # a replayed one: as an attempt wrote it
 
 
 @dataclass(slots=True)
@@ -126,7 +127,7 @@ class Job:
     def text(self) -> str:
         return self.choices[0].text.getvalue()
 
-    def finish_reason(self) -> str:
+    def finish_reason(self) -> FinishReason:
         return self.choices[0].finish_reason or FinishReason.stop
 
     def choices_json(self) -> list[dict[str, Any]] | None:
@@ -135,6 +136,17 @@ class Job:
             return None
         return [{"index": k, "text": c.text.getvalue(), "finish_reason": c.finish_reason or "",
                  "completion_tokens": c.num_tokens} for k, c in enumerate(self.choices)]
+
+
+# the engine's reasons (engine/outputs.py) as the wire's: the same words, and an aborted
+# request (never reported by the engine's step) would be a cancelled one
+_WIRE_REASON = {EngineReason.stop: FinishReason.stop, EngineReason.length: FinishReason.length,
+                EngineReason.abort: FinishReason.cancelled}
+
+
+def finish_reason_of(engine_reason: EngineReason | None) -> FinishReason:
+    """The wire's finish reason of an engine request that ended (stop when unsaid)."""
+    return _WIRE_REASON.get(engine_reason, FinishReason.stop)
 
 
 def split_request_id(rid: str) -> tuple[str, int]:
