@@ -228,14 +228,17 @@ class Resolved:
     def explain(self, msg: str) -> str:
         """An engine message in the user's words, one line: each engine setting named in it
         becomes the flag, variable or file key that set it (a default: its flag and value)."""
-        def name(m: re.Match) -> str:
-            n = m[1]
+        def said(n: str) -> str:
             if self.sources.get(n, "default") != "default":
                 return self.origin(n)
             return f"{flag_name(n)} (default {self.value(n)})"
 
-        return " ".join(_ENGINE_NAME.sub(name, msg).split())
-
+        # a declared setting's own check names it first (wire/declared.py), "seed" too
+        head, sep, rest = msg.partition(" must ")
+        lead = ""
+        if sep and head in ENGINE_FIELDS:
+            lead, msg = f"{said(head)} must ", rest
+        return " ".join((lead + _ENGINE_NAME.sub(lambda m: said(m[1]), msg)).split())
 
 def origin(name: str, source: str, file: str | None) -> str:
     """How the user named a setting: the flag, PAGEDQ_<NAME>, or the file's key."""
