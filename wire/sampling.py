@@ -90,6 +90,21 @@ class SamplingParams:
         for name in _ALL:  # as validated: a str stop is a list of one
             setattr(self, name, getattr(checked, name))
 
+    @classmethod
+    def of_request(cls, req: Any, **changes: Any) -> SamplingParams:
+        """The sampling fields of a request the wire's model validated (``with_sampling``:
+        the same declarations), not validated again: the worker's path, one per choice.
+        ``changes`` must keep them valid (the worker's n=1 and seed+k mod 2**63); an
+        engine-only field takes its default."""
+        sp = object.__new__(cls)
+        for name, wire, default in _MAKE:
+            if name in changes:
+                value = changes[name]
+            else:
+                value = getattr(req, name) if wire else default()
+            object.__setattr__(sp, name, value)
+        return sp
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -127,6 +142,11 @@ def _model(name: str, names: tuple[str, ...], base: type[BaseModel] | None = Non
 
 
 _ALL = tuple(f.name for f in dataclasses.fields(SamplingParams))
+# (name, on the wire, its default) of each field, for of_request
+_MAKE = tuple((f.name, f.metadata.get("wire", True),
+               f.default_factory if f.default_factory is not dataclasses.MISSING
+               else (lambda d=f.default: d))
+              for f in dataclasses.fields(SamplingParams))
 _Checked = _model("SamplingParams", _ALL)
 # the fields on the wire, in SamplingParams' order
 WIRE_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)

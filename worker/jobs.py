@@ -19,7 +19,6 @@ from pagedq.engine.outputs import FinishReason as EngineReason
 from pagedq.engine.sampling_params import SamplingParams
 from pagedq.wire.connection import is_cluster
 from pagedq.wire.keys import JOB_ID_RE, Keys
-from pagedq.wire.sampling import WIRE_FIELDS
 from pagedq.wire.schema import FinishReason, JobRequest, clean_logprob, describe
 from pagedq.wire.settings import Settings
 
@@ -196,13 +195,11 @@ def parse_entry(fields: dict[str, str], model: str, lane: str) -> JobRequest:
 
 
 def sampling_params(req: JobRequest, choice: int = 0) -> SamplingParams:
-    """Engine parameters of one choice, the request's sampling fields by name (one
-    declaration: wire/sampling.py): each choice is an engine request of its own (n = 1),
-    and choice k of a seeded job draws from seed + k."""
-    kw = {name: getattr(req, name) for name in WIRE_FIELDS}
-    kw["n"] = 1
-    kw["seed"] = None if req.seed is None else (req.seed + choice) % 2**63
-    return SamplingParams(**kw)
+    """Engine parameters of one choice: the request's sampling fields (one declaration,
+    wire/sampling.py; validated with the request), each choice an engine request of its own
+    (n = 1), and choice k of a seeded job drawing from seed + k."""
+    seed = None if req.seed is None else (req.seed + choice) % 2**63
+    return SamplingParams.of_request(req, n=1, seed=seed)
 
 
 def logprobs_json(lps: list[Any], token_text) -> list[dict[str, Any]]:
