@@ -51,7 +51,7 @@ HEALTHCHECK --interval=15s --timeout=10s --start-period=600s --retries=3 \
 
 FROM base AS client
 HEALTHCHECK --interval=30s --timeout=10s --start-period=30s --retries=3 \
-    CMD ["python", "-m", "pagedq.producer.batch.healthcheck"]
+    CMD ["python", "-m", "pagedq.batch.healthcheck"]
 
 # the variant's stage, then pagedq itself (torch is installed above, so pip keeps it)
 FROM ${VARIANT} AS final
@@ -60,7 +60,10 @@ ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 COPY pyproject.toml README.md ./
 COPY pagedq ./pagedq
+COPY wire ./wire
 COPY producer ./producer
+COPY batch ./batch
+COPY admin ./admin
 COPY worker ./worker
 COPY engine ./engine
 COPY kernels ./kernels

@@ -35,7 +35,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pagedq.worker.demo import PROMPTS as DEMO_PROMPTS  # noqa: E402
+from pagedq.demo import PROMPTS as DEMO_PROMPTS  # noqa: E402
 
 PROMPTS = [  # the demo's 8, then 8 more
     *DEMO_PROMPTS,

@@ -31,9 +31,9 @@ sys.path.insert(0, ROOT)  # before bench/: this file's name must not hide the ga
 
 import httpx  # noqa: E402
 
+from pagedq.cli import main as pagedq_main  # noqa: E402
 from pagedq.producer import AsyncClient  # noqa: E402
-from pagedq.producer.settings import Settings  # noqa: E402
-from pagedq.worker.cli import main as pagedq_main  # noqa: E402
+from pagedq.wire.settings import Settings  # noqa: E402
 from pagedq.worker.redis_server import RedisServer  # noqa: E402
 
 PREFIX, MODEL = "bench", "bench"
@@ -140,13 +140,13 @@ def main() -> int:
             assert pagedq_main(["--redis-url", srv.url, "--prefix", PREFIX, "gateway", "key",
                                 "add", "--name", "bench"]) == 0
         key = out.getvalue().strip()
-        procs.append(start([sys.executable, "-m", "pagedq.worker.cli", "--redis-url", srv.url,
+        procs.append(start([sys.executable, "-m", "pagedq", "--redis-url", srv.url,
                             "--prefix", PREFIX, "worker", "--model", model,
                             "--served-name", MODEL, "--device", "cpu", "--worker-id", "bw"],
                            f"{logs}/worker.log"))
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        procs.append(start([sys.executable, "-m", "pagedq.worker.cli", "--redis-url", srv.url,
+        procs.append(start([sys.executable, "-m", "pagedq", "--redis-url", srv.url,
                             "--prefix", PREFIX, "gateway", "--port", str(port), "--auth", "on",
                             "--model", MODEL, "--log-level", "warning"],
                            f"{logs}/gateway.log"))

@@ -97,7 +97,7 @@ def guided_rows(n: int, share: float) -> set[int]:
 def run(eng, prompts, params, share: float) -> dict:
     import dataclasses
 
-    from pagedq.engine.guided_spec import GuidedSpec
+    from pagedq.wire.guided import GuidedSpec
     spec = GuidedSpec.of("json_schema", ENDLESS)
     rows = guided_rows(len(prompts), share)
     for k, (p, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -120,7 +120,7 @@ def engine_main(args) -> list[dict]:
     import torch
 
     from pagedq.engine import SamplingParams
-    from pagedq.engine.guided_spec import GuidedSpec
+    from pagedq.wire.guided import GuidedSpec
     t = time.perf_counter()
     eng, prompts, params = build_engine(args)
     load_s = time.perf_counter() - t

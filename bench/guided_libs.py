@@ -142,7 +142,7 @@ class Llg:
         return m.grammar_from_lark(text)
 
     def validate(self, kind: str, text: str) -> float:
-        """Seconds of the tokenizer-free check (engine/guided_spec.validate_guided's)."""
+        """Seconds of the tokenizer-free check (wire/guided.validate_guided's)."""
         t = time.perf_counter()
         if self.lib.LLMatcher.validate_grammar(self.grammar(kind, text)):
             raise ValueError(f"{kind} does not compile")

@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from pagedq.producer import AsyncClient, JobRequest  # noqa: E402
-from pagedq.producer.settings import Settings  # noqa: E402
+from pagedq.wire.settings import Settings  # noqa: E402
 from pagedq.worker.redis_server import RedisServer  # noqa: E402
 
 MODEL = "bench"
@@ -130,7 +130,7 @@ def main() -> int:
         model += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     with RedisServer() as srv:
         log_path = os.path.join(srv.dir, "worker.log")
-        cmd = [sys.executable, "-m", "pagedq.worker.cli", "--redis-url", srv.url, "--prefix", "bench",
+        cmd = [sys.executable, "-m", "pagedq", "--redis-url", srv.url, "--prefix", "bench",
                "worker", *model, "--served-name", MODEL, "--max-num-seqs",
                str(args.max_num_seqs), "--worker-id", "bench"]
         with open(log_path, "w") as logf:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from serving import MODEL, PREFIX, Served
 
 from pagedq.producer import AsyncClient, Client, JobRequest
-from pagedq.producer.settings import Settings
+from pagedq.wire.settings import Settings
 
 FRACTIONS = "0.1,0.25,0.5,0.75,0.9,1.1"  # of the saturation rate, for --rate auto
 # quantiles stored for the CDF plots (the JSON holds these, not every sample)

@@ -46,8 +46,8 @@ sys.path.insert(0, ROOT)
 
 import redis  # noqa: E402
 
-from pagedq.producer.keys import GROUP, Keys  # noqa: E402
-from pagedq.producer.settings import Settings  # noqa: E402
+from pagedq.wire.keys import GROUP, Keys  # noqa: E402
+from pagedq.wire.settings import Settings  # noqa: E402
 
 PREFIX, MODEL = "bench", "bench"
 PROMPT_TOKENS = 16
@@ -83,9 +83,10 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
     running job through the real Publisher, FINISH after a job's last token."""
     import structlog
 
-    from pagedq.producer.connection import connect
-    from pagedq.producer.worker_scripts import Started, start
-    from pagedq.worker import lua
+    from pagedq.wire import script
+    from pagedq.wire.connection import connect
+    from pagedq.wire.schema import FinishReason, Status
+    from pagedq.wire.worker_scripts import Start, StartKind
     from pagedq.worker.publisher import Final, Publisher
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
@@ -96,7 +97,6 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
         with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: made by SUBMIT already
             r.xgroup_create(k.jobs(MODEL), GROUP, id="0", mkstream=True)
     pub = Publisher(r, s).start()
-    start_script = lua.Script(r, lua.START)
     wid = f"sim-{idx}"
     running: dict[str, list] = {}  # uid -> [keys, job id, attempt, entry id, tokens left]
     turn, next_poll = 0, 0.0
@@ -114,9 +114,9 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
                 resp = r.xreadgroup(GROUP, wid, {k.jobs(MODEL): ">"}, count=room, block=block)
                 for entry_id, fields in (resp[0][1] if resp else []):
                     job_id = fields["job"]
-                    res = Started.parse(start_script(*start(k, job_id, MODEL, "interactive",
-                                                            wid, s.max_deliveries)))
-                    if res.kind != "ok":
+                    res = script.run(r, Start(k, job_id, MODEL, "interactive", wid,
+                                              s.max_deliveries))
+                    if res.kind is not StartKind.ok:
                         continue
                     pub.register(k, job_id, res.attempt, 0)
                     running[k.job(job_id)] = [k, job_id, res.attempt, entry_id, load.max_tokens]
@@ -143,8 +143,8 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
         pub.tokens(batch)
         for uid in ended:
             k, job_id, attempt, entry_id, _ = running.pop(uid)
-            pub.final(Final(k, job_id, attempt, entry_id, k.jobs(MODEL), "finished", "length",
-                            text, "", PROMPT_TOKENS, load.max_tokens))
+            pub.final(Final(k, job_id, attempt, entry_id, k.jobs(MODEL), Status.finished,
+                            FinishReason.length, text, "", PROMPT_TOKENS, load.max_tokens))
         pub.flush()
         counters[PUB_TOKENS] += tokens
         counters[PUB_EVENTS] += len(batch)

@@ -29,7 +29,7 @@ class Served:
         self.srv = RedisServer().__enter__()
         self.url = self.srv.url
         self.log_path = os.path.join(self.srv.dir, "worker.log")
-        cmd = [sys.executable, "-m", "pagedq.worker.cli", "--redis-url", self.url, "--prefix", PREFIX,
+        cmd = [sys.executable, "-m", "pagedq", "--redis-url", self.url, "--prefix", PREFIX,
                "worker", "--model", model_folder(self.shape), "--served-name", MODEL,
                "--load-format", "dummy", "--max-num-seqs", "256", "--max-model-len", "4096",
                "--max-num-batched-tokens", "16384", "--worker-id", "bench"]

@@ -4,8 +4,8 @@
 imports torch lazily so that ``import pagedq.engine.sampling_params`` stays light
 (``GuidedSpec`` and ``validate_guided`` import no torch either).
 """
-from pagedq.engine.guided_spec import GuidedSpec, validate_guided
 from pagedq.engine.sampling_params import SamplingParams
+from pagedq.wire.guided import GuidedSpec, validate_guided
 
 __all__ = ["GuidedSpec", "LLMEngine", "SamplingParams", "validate_guided"]
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from pagedq.engine.guided_spec import GuidedSpec, grammar_of, library, one_line
 from pagedq.engine.sequence import Sequence
+from pagedq.wire.guided import GuidedSpec, grammar_of, library, one_line
 
 CACHE_SIZE = 64  # compiled grammars kept (~0.3 MB each with a matcher stepped: the bench)
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from pagedq.engine.detokenizer import OutputStream
 from pagedq.engine.guided import GuidedDecoding
 from pagedq.engine.model_runner import ModelRunner
 from pagedq.engine.offline import OfflineMixin
-from pagedq.engine.outputs import StepOutput
+from pagedq.engine.outputs import FinishReason, StepOutput
 from pagedq.engine.pipeline import StepPipeline, num_known_tokens
 from pagedq.engine.sampler import Sampler
 from pagedq.engine.sampling_params import SamplingParams
@@ -259,7 +259,7 @@ class LLMEngine(OfflineMixin):
     def _overflowed(self, seq: Sequence) -> StepOutput:
         """A request the scheduler ended because it outgrew the whole KV cache."""
         live = self._drop(seq.request_id)
-        return StepOutput(seq.request_id, [], live.stream.finish(), True, "length",
+        return StepOutput(seq.request_id, [], live.stream.finish(), True, FinishReason.length,
                           seq.num_prompt_tokens, seq.num_output_tokens)
 
     def _advance(self, live: _Live, tok: int, lp: Any) -> StepOutput:
@@ -273,15 +273,15 @@ class LLMEngine(OfflineMixin):
         by_string = False
         is_stop_token = tok in p.stop_token_ids or (tok in self.eos_token_ids and not p.ignore_eos)
         if is_stop_token and n_out >= p.min_tokens:
-            reason = "stop"  # the stop token itself is not detokenized into the text
+            reason = FinishReason.stop  # the stop token itself is not detokenized into the text
         else:
             delta, by_string = live.stream.push(tok)
             if by_string:
-                reason = "stop"
+                reason = FinishReason.stop
             elif p.guided is not None and self.guided.advance(seq):
-                reason = "stop"  # the grammar is complete: nothing but EOS may follow
+                reason = FinishReason.stop  # the grammar is complete: nothing but EOS may follow
             elif n_out >= live.max_output or len(toks) >= self.max_model_len:
-                reason = "length"
+                reason = FinishReason.length
         if reason is not None:
             if not by_string:  # release text held back as a possible stop-string prefix
                 delta += live.stream.finish()

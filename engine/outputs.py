@@ -2,7 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
+
+
+class FinishReason(StrEnum):
+    """Why the engine ended a request (vLLM's FinishReason): a stop token, stop string or
+    EOS; max_tokens or the model's context; aborted by its caller."""
+
+    stop = "stop"
+    length = "length"
+    abort = "abort"
 
 
 @dataclass(slots=True)
@@ -15,7 +25,7 @@ class StepOutput:
     new_token_ids: list[int]
     delta: str
     finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort
+    finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: list[Any] | None = None
@@ -29,6 +39,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: list[Any] | None = None
     samples: list[RequestOutput] = field(default_factory=list)  # all n samples when n > 1

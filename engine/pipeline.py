@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from pagedq.engine.outputs import FinishReason
 from pagedq.engine.sampling_params import SamplingParams
 from pagedq.engine.sequence import SeqStatus, Sequence
 
@@ -147,7 +148,7 @@ class StepPipeline:
             n = len(seq.token_ids) + 1
             if n - seq.num_prompt_tokens >= requests[seq.request_id].max_output \
                     or n >= max_len:
-                self.scheduler.finish(seq, "length")  # certainly its last token
+                self.scheduler.finish(seq, FinishReason.length)  # certainly its last token
             else:
                 seq.token_ids.append(PLACEHOLDER)
                 seq.num_pending_tokens = 1

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from pagedq.engine.batch import ScheduledBatch
 from pagedq.engine.block_manager import BlockManager
 from pagedq.engine.config import EngineConfig
+from pagedq.engine.outputs import FinishReason
 from pagedq.engine.sequence import SeqStatus, Sequence
 
 RUNNING = SeqStatus.RUNNING
@@ -125,7 +126,7 @@ class Scheduler:
         self.requests[seq.request_id] = seq
         insort_right(self.waiting, seq, key=self._key)
 
-    def _remove(self, seq: Sequence, reason: str) -> None:
+    def _remove(self, seq: Sequence, reason: FinishReason) -> None:
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -140,10 +141,10 @@ class Scheduler:
         seq = self.requests.get(request_id)
         if seq is None:
             return None
-        self._remove(seq, "abort")
+        self._remove(seq, FinishReason.abort)
         return seq
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Idempotent: finishing an already finished (e.g. aborted) request does nothing."""
         if seq.is_finished:
             return
@@ -174,7 +175,7 @@ class Scheduler:
         with "length" (reported in finished_in_schedule) instead of blocking the queue."""
         if seq.num_tokens <= self.bm.capacity_tokens:
             return False
-        self._remove(seq, "length")
+        self._remove(seq, FinishReason.length)
         self.finished_in_schedule.append(seq)
         return True
 

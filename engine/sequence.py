@@ -22,6 +22,7 @@ from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pagedq.engine.outputs import FinishReason
 from pagedq.engine.sampling_params import SamplingParams
 
 _arrival = itertools.count()
@@ -49,7 +50,7 @@ class Sequence:
     # hashes of this sequence's full blocks, in order (filled by the block manager)
     block_hashes: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     queued_step: int = 0  # the scheduler's step count when it last entered the waiting queue
     # tokens already produced before this Sequence existed (crash resume): they are part

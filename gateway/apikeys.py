@@ -9,11 +9,11 @@ ever logged or stored in clear.
 
 Rate limits are fixed one-minute windows counted in Redis, so every gateway process shares
 them: ``{P}:ratelimit:<hash>:<minute>`` (a hash of ``r`` requests and ``t`` tokens, kept
-two minutes). ``ADMIT_LUA`` looks the key up and charges one request and the request's
+two minutes). ADMIT (wire/lua/admit.lua) looks the key up and charges one request and the request's
 estimated tokens (prompt characters / 4 + max_tokens x n) in one atomic step; a request
 past either cap is refused with the seconds until the window ends. A single request above
 ``tpm`` is admitted into an empty window (otherwise it never could be). Once a job ends,
-the gateway corrects the window's tokens by (actual usage - estimate) (``SETTLE_LUA``).
+the gateway corrects the window's tokens by (actual usage - estimate) (SETTLE).
 """
 from __future__ import annotations
 
@@ -25,47 +25,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedq.producer.keys import Keys, check_name
+from pagedq.wire.keys import Keys, check_name
 
 KEY_PREFIX = "pq-"
 ID_LEN = 12  # hex digits of the hash that name a key
-
-# KEYS: 1 the apikeys hash. ARGV: 1 key hash, 2 estimated tokens, 3 mode (auto|on),
-# 4 key base '{P}', 5 the key's record as JSON when the store is a file ('' = look it up).
-# The window key is derived from ARGV 4 (same hash tag: same Redis Cluster slot).
-# Reply: {'open'} (auto and no key exists) | {'unknown'} | {'limited', what, retry_s, cap}
-#        | {'ok', record JSON, window key}
-ADMIT_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1])
-local rec = ARGV[5]
-if rec == '' then
-  rec = redis.call('HGET', KEYS[1], ARGV[1])
-  if not rec then
-    if ARGV[3] == 'auto' and redis.call('HLEN', KEYS[1]) == 0 then return {'open'} end
-    return {'unknown'}
-  end
-end
-local r = cjson.decode(rec)
-local window = ARGV[4] .. ':ratelimit:' .. ARGV[1] .. ':' .. math.floor(now / 60)
-local used = redis.call('HMGET', window, 'r', 't')
-local nr, nt = tonumber(used[1] or '0'), tonumber(used[2] or '0')
-local rpm, tpm, est = tonumber(r.rpm or 0), tonumber(r.tpm or 0), tonumber(ARGV[2])
-local retry = tostring(60 - now % 60)
-if rpm > 0 and nr >= rpm then return {'limited', 'requests', retry, tostring(rpm)} end
-if tpm > 0 and nt > 0 and nt + est > tpm then return {'limited', 'tokens', retry, tostring(tpm)} end
-redis.call('HINCRBY', window, 'r', 1)
-redis.call('HINCRBY', window, 't', est)
-redis.call('EXPIRE', window, 120)
-return {'ok', rec, window}
-"""
-
-# KEYS: 1 a window key from ADMIT. ARGV: 1 tokens to add (negative: to give back).
-SETTLE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HINCRBY', KEYS[1], 't', ARGV[1]) end
-return 0
-"""
-
 
 def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)

@@ -18,9 +18,9 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from pagedq.producer.batch import BatchSettings
-from pagedq.producer.connection import RedisUnusable, connect_async, start_async_cluster
-from pagedq.producer.settings import Settings
+from pagedq.batch import BatchSettings
+from pagedq.wire.connection import RedisUnusable, connect_async, start_async_cluster
+from pagedq.wire.settings import Settings
 
 from . import batches, completions
 from .auth import Auth

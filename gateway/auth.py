@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import logging
 
-from pagedq.producer.keys import Keys
+from pagedq.wire import script
+from pagedq.wire.gateway_scripts import Admit, Settle
+from pagedq.wire.keys import Keys
 
 from .apikeys import (
-    ADMIT_LUA,
     ID_LEN,
-    SETTLE_LUA,
     Admitted,
     KeyRecord,
     apikeys_key,
@@ -40,8 +40,7 @@ class Auth:
         self.base = Keys(admin_prefix).base
         self.hash_key = apikeys_key(admin_prefix)
         self.file: dict[str, KeyRecord] | None = load_file(keys_file) if keys_file else None
-        self._admit = r.register_script(ADMIT_LUA)
-        self._settle = r.register_script(SETTLE_LUA)
+        self.r = r
 
     async def admit(self, authorization: str | None, est_tokens: int) -> Admitted:
         """The tenant of the request, its est_tokens charged; APIError 401 or 429."""
@@ -57,25 +56,24 @@ class Auth:
             if rec is None:
                 raise _unauthorized(key)
             given = rec.to_json()
-        reply = await self._admit(keys=[self.hash_key],
-                                  args=[sha, max(0, est_tokens), self.mode, self.base, given])
-        kind = reply[0]
-        if kind == "open":
+        v = await script.run_async(self.r, Admit(self.hash_key, sha, est_tokens, self.mode,
+                                                  self.base, given))
+        if v.kind == "open":
             return Admitted(self.default_tenant)
-        if kind == "unknown":
+        if v.kind == "unknown":
             raise _unauthorized(key)
-        if kind == "limited":
-            what, retry, cap = reply[1], int(reply[2]), reply[3]
-            log.info("rate_limited key_id=%s limit=%s", sha[:ID_LEN], what)
-            raise APIError(429, f"rate limit reached: {cap} {what} per minute for this key; "
-                           f"retry in {retry} s", "rate_limit_exceeded", retry_after=retry)
-        rec = KeyRecord.from_obj(json.loads(reply[1]))
-        return Admitted(rec.tenant, sha[:ID_LEN], reply[2])
+        if v.kind == "limited":
+            log.info("rate_limited key_id=%s limit=%s", sha[:ID_LEN], v.what)
+            raise APIError(429, f"rate limit reached: {v.cap} {v.what} per minute for this key; "
+                           f"retry in {v.retry_s} s", "rate_limit_exceeded",
+                           retry_after=v.retry_s)
+        rec = KeyRecord.from_obj(json.loads(v.record))
+        return Admitted(rec.tenant, sha[:ID_LEN], v.window)
 
     async def settle(self, adm: Admitted, tokens: int) -> None:
         """Correct the request's window by ``tokens`` (actual usage - estimate)."""
         if adm.window and tokens:
-            await self._settle(keys=[adm.window], args=[tokens])
+            await script.run_async(self.r, Settle(adm.window, tokens))
 
 
 def _unauthorized(key: str | None) -> APIError:

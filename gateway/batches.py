@@ -25,10 +25,10 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 
-from pagedq.producer.batch import Batch, BatchNotFound, BatchStateError
-from pagedq.producer.errors import InvalidRequest
-from pagedq.producer.keys import Keys
-from pagedq.producer.openai_api import ENDPOINTS
+from pagedq.batch import Batch, BatchNotFound, BatchStateError
+from pagedq.wire.errors import InvalidRequest
+from pagedq.wire.keys import Keys
+from pagedq.wire.openai_api import ENDPOINTS
 
 from .errors import APIError, bad_request, not_found
 
@@ -43,7 +43,7 @@ def _file_key(tenant: str, file_id: str) -> str:
 
 
 def _batch_key(gw: Any, tenant: str, batch_id: str) -> str:
-    """A batch's record, in the partition its id names (producer/keys.py)."""
+    """A batch's record, in the partition its id names (wire/keys.py)."""
     return Keys(tenant).of_job(batch_id, gw.settings.partitions).batch(batch_id)
 
 

@@ -1,7 +1,7 @@
 """``pagedq gateway``: serve the OpenAI-compatible HTTP API; ``pagedq gateway key add |
 list | revoke``: manage its API keys.
 
-``register(subparsers, parents)`` adds the command to a root parser (worker/cli.py's). This
+``register(subparsers, parents)`` adds the command to the root parser (pagedq/cli.py). This
 module imports no web framework: FastAPI and uvicorn are imported when the server starts,
 so ``pagedq -h`` stays fast.
 
@@ -27,7 +27,7 @@ import socket
 import sys
 from collections.abc import Iterable
 
-from pagedq.producer.exits import EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK, guarded
+from pagedq.exits import EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK, guarded
 
 from .settings import GatewaySettings
 
@@ -122,8 +122,8 @@ def _keys_file_arg(p: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> tuple:
     from pydantic import ValidationError
 
-    from pagedq.producer.batch import BatchSettings
-    from pagedq.producer.settings import Settings
+    from pagedq.batch import BatchSettings
+    from pagedq.wire.settings import Settings
 
     def pick(**kw: object) -> dict:
         return {k: v for k, v in kw.items() if v is not None}
@@ -139,7 +139,7 @@ def _settings(args: argparse.Namespace) -> tuple:
         name = str(err["loc"][0]) if err.get("loc") else "?"
         raise ConfigError(f"--{name.replace('_', '-')}: {err['msg']} "
                           f"(got {err.get('input')!r})") from None
-    from pagedq.producer.keys import check_name
+    from pagedq.wire.keys import check_name
     try:
         check_name("prefix", s.prefix)
         check_name("model", s.model)
@@ -174,7 +174,7 @@ def _redis_problem(s) -> tuple[int, str] | None:
     (78), or it does not answer (1)."""
     import redis
 
-    from pagedq.producer.connection import connect, describe, is_fatal, redact_url
+    from pagedq.wire.connection import connect, describe, is_fatal, redact_url
     try:
         r = connect(s, socket_connect_timeout=5, socket_timeout=5)
     except ValueError as e:  # RedisSetupError: a password/TLS setting that cannot be used
@@ -234,8 +234,8 @@ def _store(args: argparse.Namespace) -> dict:
     keys_file = args.keys_file or os.environ.get("PAGEDQ_GATEWAY_KEYS_FILE") or None
     if keys_file:
         return {"keys_file": keys_file}
-    from pagedq.producer.connection import connect
-    from pagedq.producer.settings import Settings
+    from pagedq.wire.connection import connect
+    from pagedq.wire.settings import Settings
     s = Settings(**{k: v for k in ("redis_url", "prefix")
                     if (v := getattr(args, k, None)) is not None})
     return {"r": connect(s, decode_responses=True), "admin_prefix": s.prefix}

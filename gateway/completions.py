@@ -20,9 +20,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedq.producer.aio import AsyncClient
-from pagedq.producer.errors import NoWorker, PagedqError
-from pagedq.producer.openai_api import COMPLETION, response_body, token_logprobs
-from pagedq.producer.schema import FinalEvent, JobRecord, Status
+from pagedq.wire.errors import NoWorker, PagedqError
+from pagedq.wire.openai_api import COMPLETION, response_body, token_logprobs
+from pagedq.wire.schema import FinalEvent, JobRecord, Status
 
 from .apikeys import Admitted
 from .errors import APIError, from_pagedq

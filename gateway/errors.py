@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from pagedq.producer.errors import (
+from pagedq.wire.errors import (
     InvalidRequest,
     JobConflict,
     JobNotFound,

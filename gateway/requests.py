@@ -4,7 +4,7 @@ submits, and what the response needs (stream or not, usage, logprobs, detach, re
 The body is OpenAI's; what JobRequest takes beyond it (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``priority``,
 ``lane``, ``timeout_s``, ``metadata``) is accepted too, as vLLM accepts its extras. The
-endpoint shape is producer/openai_api.py's (shared with batch files). Fields of the
+endpoint shape is wire/openai_api.py's (shared with batch files). Fields of the
 gateway itself go in the extension object ``pagedq``:
 
 * ``detach`` (bool): the job goes on when the client disconnects (default: cancelled);
@@ -24,10 +24,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pagedq.producer.keys import JOB_ID_RE, new_job_id
-from pagedq.producer.openai_api import body_problem
-from pagedq.producer.schema import JobRequest, describe
-from pagedq.producer.scripts import queued_tokens_of
+from pagedq.wire.keys import JOB_ID_RE, new_job_id
+from pagedq.wire.openai_api import body_problem
+from pagedq.wire.schema import JobRequest, describe
+from pagedq.wire.scripts import queued_tokens_of
 
 from .errors import APIError, bad_request
 
@@ -81,7 +81,7 @@ def parse_event_id(value: str) -> tuple[str, int, int]:
 def generation(kind: str, body: dict[str, Any], default_model: str,
                headers: dict[str, str], partitions: int = 1) -> Generation:
     """The request of a body (``headers``: lower-case names); APIError 400 if invalid. A
-    new job id names one of ``partitions`` (producer/keys.py new_job_id)."""
+    new job id names one of ``partitions`` (wire/keys.py new_job_id)."""
     data = {k: v for k, v in body.items() if v is not None}  # OpenAI clients send nulls
     model = data.pop("model", default_model)
     stream = data.pop("stream", False)

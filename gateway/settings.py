@@ -1,7 +1,7 @@
 """The gateway's own settings (environment ``PAGEDQ_GATEWAY_<NAME>``, or the matching
-``pagedq gateway`` flag). The Redis URL, the default prefix and model are producer/
-settings.py's (PAGEDQ_REDIS_URL, PAGEDQ_PREFIX, PAGEDQ_MODEL); the batch folder is
-producer/batch/settings.py's (PAGEDQ_BATCH_DIR)."""
+``pagedq gateway`` flag). The Redis URL, the default prefix and model are wire/settings.py's
+(PAGEDQ_REDIS_URL, PAGEDQ_PREFIX, PAGEDQ_MODEL); the batch folder is batch/settings.py's
+(PAGEDQ_BATCH_DIR)."""
 from __future__ import annotations
 
 from typing import Literal

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from pagedq.producer.aio import AsyncClient
-from pagedq.producer.openai_api import (
+from pagedq.wire.openai_api import (
     CHAT,
     chat_logprobs,
     chunk,
@@ -32,7 +32,7 @@ from pagedq.producer.openai_api import (
     completion_logprobs,
     usage,
 )
-from pagedq.producer.schema import Event, FinalEvent, FinishReason, Status, TokenEvent
+from pagedq.wire.schema import Event, FinalEvent, FinishReason, Status, TokenEvent
 
 DONE = "[DONE]"
 

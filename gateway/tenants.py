@@ -2,10 +2,10 @@
 on first use and kept: connection pools, not job state. Each request uses its tenant's."""
 from __future__ import annotations
 
+from pagedq.batch import AsyncBatches, BatchSettings
 from pagedq.producer.aio import AsyncClient
-from pagedq.producer.batch import AsyncBatches, BatchSettings
-from pagedq.producer.keys import check_name
-from pagedq.producer.settings import Settings
+from pagedq.wire.keys import check_name
+from pagedq.wire.settings import Settings
 
 
 class Tenants:

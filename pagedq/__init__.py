@@ -10,15 +10,18 @@ cache, tokens streamed back through Redis). The documented entry point:
 The client side (``Client``, ``AsyncClient``, ``Batches``, the request and record models,
 the errors) imports no torch. ``LLMEngine`` and ``SamplingParams`` (the engine, for
 offline use) load on first access, so ``import pagedq`` stays light. The implementation
-lives in the subpackages ``pagedq.producer`` (client), ``pagedq.engine``, ``pagedq.worker``,
-``pagedq.kernels`` and ``pagedq.gateway``; these names are the stable ones.
+lives in the subpackages ``pagedq.wire`` (the wire contract: keys, schema, scripts,
+settings), ``pagedq.producer`` (the clients), ``pagedq.batch`` (bulk batches),
+``pagedq.admin`` (ACL file, inspection, dead letters), ``pagedq.engine``, ``pagedq.worker``,
+``pagedq.kernels`` and ``pagedq.gateway``; these names are the stable ones. This folder
+also holds the `pagedq` command's root (``pagedq.cli``).
 """
 from __future__ import annotations
 
 import os as _os
 from typing import TYPE_CHECKING, Any
 
-# The subpackages are the repository's top-level folders (producer/, worker/, ...), installed
+# The subpackages are the repository's top-level folders (wire/, producer/, worker/, ...), installed
 # inside this package by pyproject's package-dir. A checkout run without installing it
 # (PYTHONPATH=<checkout>, as on a GPU machine without pip) has them beside this folder, not
 # in it: then look there too. An installed pagedq holds them itself and skips this.
@@ -31,12 +34,11 @@ if (not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "engine"))
 # Every public name loads on first access: `import pagedq.engine` (a GPU machine without
 # redis) must not import the client, nor `import pagedq` the engine (torch).
 if TYPE_CHECKING:  # for editors and type checkers; at run time they load lazily
+    from pagedq.batch import AsyncBatches, Batches
     from pagedq.engine.llm_engine import LLMEngine
     from pagedq.engine.sampling_params import SamplingParams
     from pagedq.producer import (
-        AsyncBatches,
         AsyncClient,
-        Batches,
         ChatMessage,
         Choice,
         Client,
@@ -66,8 +68,10 @@ __all__ = [
     "ResultTimeout", "SamplingParams", "Settings", "Status", "TokenEvent", "Usage",
     "__version__",
 ]
-# where each name lives: the engine's two (they import torch), else the client side
+# where each name lives: the engine's two (they import torch), the batches', else the client
+# side (pagedq.producer re-exports the wire contract's names it uses)
 _HOME = {**{name: "pagedq.producer" for name in __all__ if name != "__version__"},
+         "AsyncBatches": "pagedq.batch", "Batches": "pagedq.batch",
          "LLMEngine": "pagedq.engine.llm_engine",
          "SamplingParams": "pagedq.engine.sampling_params"}
 
@@ -77,7 +81,7 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     if name == "__version__":
-        from pagedq.producer.cli import version
+        from pagedq.cli import version
 
         value: Any = version()
     elif name in _HOME:

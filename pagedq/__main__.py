@@ -1,6 +1,6 @@
 """``python -m pagedq ...`` = the ``pagedq`` command."""
 import sys
 
-from pagedq.worker.cli import main
+from pagedq.cli import main
 
 sys.exit(main())

@@ -6,12 +6,10 @@
         for delta in c.stream_text(job):
             print(delta, end="", flush=True)
 
-The wire protocol is in docs/protocol.md; keys and schema in producer/keys.py and
-producer/schema.py.
+The wire protocol is in docs/protocol.md; its code (keys, schema, scripts, settings) is
+pagedq.wire, whose public names are re-exported here.
 """
-from .aio import AsyncClient
-from .client import Client
-from .errors import (
+from pagedq.wire.errors import (
     EventsTrimmed,
     InvalidRequest,
     JobConflict,
@@ -21,8 +19,8 @@ from .errors import (
     PagedqError,
     ResultTimeout,
 )
-from .keys import Keys
-from .schema import (
+from pagedq.wire.keys import Keys
+from pagedq.wire.schema import (
     ChatMessage,
     Choice,
     Event,
@@ -33,11 +31,13 @@ from .schema import (
     TokenEvent,
     Usage,
 )
-from .settings import Settings
+from pagedq.wire.settings import Settings
+
+from .aio import AsyncClient
+from .client import Client
 
 __all__ = [
     "AsyncClient", "ChatMessage", "Choice", "Client", "Event", "EventsTrimmed", "FinalEvent",
     "InvalidRequest", "JobConflict", "JobNotFound", "JobRecord", "JobRequest", "Keys",
     "NoWorker", "Overloaded", "PagedqError", "ResultTimeout", "Settings", "Status", "TokenEvent", "Usage",
 ]
-from .batch import AsyncBatches as AsyncBatches, Batches as Batches  # noqa: E402, I001

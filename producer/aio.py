@@ -1,6 +1,7 @@
 """asyncio producer client (redis.asyncio): the same API and semantics as
 pagedq.producer.client.Client, with coroutines and async iterators. The reading protocol lives
-in producer/reader.py and the request logic in producer/scripts.py; this file only does
+in producer/reader.py, the request logic in producer/requests.py and wire/scripts.py; this file
+only does
 the I/O (awaiting the commands they ask for)."""
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from . import reader, scripts, submit_params
-from .connection import (
+from pagedq.wire import script, scripts
+from pagedq.wire.connection import (
     RETRYABLE,
     RedisUnusable,
     client_redis,
@@ -19,10 +20,12 @@ from .connection import (
     looks_cut_by_tls,
     start_async_cluster,
 )
-from .keys import Keys
+from pagedq.wire.keys import Keys
+from pagedq.wire.schema import ChatMessage, Event, JobRecord, JobRequest
+from pagedq.wire.settings import Settings
+
+from . import reader, requests, submit_params
 from .reader import Backoff
-from .schema import ChatMessage, Event, JobRecord, JobRequest
-from .settings import Settings
 
 T = TypeVar("T")
 
@@ -38,7 +41,6 @@ class AsyncClient:
             redis_url, prefix, model, settings)
         self._url = pool["url"]
         self.redis = client_redis(self.settings, pool, asyncio=True)
-        self._scripts = scripts.register(self.redis)
         # a cluster client is started (slot map, connections) by one task before any
         # command is sent: connection.start_async_cluster
         self._started = not is_cluster(self.redis)
@@ -52,7 +54,7 @@ class AsyncClient:
 
     def keys_of(self, job_id: str) -> Keys:
         """The keys of the partition holding ``job_id`` (``self.keys``: partition 0)."""
-        return self.keys.of_job(scripts.checked_id(job_id), self.settings.partitions)
+        return self.keys.of_job(requests.checked_id(job_id), self.settings.partitions)
 
     async def _retry(self, call: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         """``await call(*args, **kwargs)``, repeated on connection-level failures; the
@@ -112,47 +114,31 @@ class AsyncClient:
         presence_penalty, frequency_penalty, stop, stop_token_ids, seed, ignore_eos,
         min_tokens, logprobs, n, priority, lane, timeout_s, metadata, job_id,
         require_worker; **openai: max_completion_tokens, top_logprobs, user."""
-        req = scripts.build_request(prompt, messages, model or self.model, job_id,
+        req = requests.build_request(prompt, messages, model or self.model, job_id,
                                     submit_params.explicit(locals()), openai,
                                     self.settings.partitions)
         return await self._submit(req, require_worker)
 
     async def submit_request(self, req: JobRequest | dict[str, Any],
                        require_worker: bool = False) -> str:
-        return await self._submit(scripts.with_id(req, self.model, self.settings.partitions),
+        return await self._submit(requests.with_id(req, self.model, self.settings.partitions),
                                   require_worker)
 
     async def _submit(self, req: JobRequest, require_worker: bool = False) -> str:
-        keys, args = scripts.submit_call(self.keys, req, self.settings, require_worker)
-        reply = await self._retry(self._scripts.submit, keys, args)
-        return scripts.check_submit_reply(reply, req.id)
+        call = scripts.Submit(self.keys, req, self.settings, require_worker)
+        return await self._retry(script.run_async, self.redis, call)
 
     async def submit_many(self, reqs: list[JobRequest | dict[str, Any]]) -> list[str]:
         """See Client.submit_many."""
-        reqs = [scripts.with_id(r, self.model, self.settings.partitions) for r in reqs]
-        calls = [scripts.submit_call(self.keys, req, self.settings) for req in reqs]
-        script = self._scripts.submit
-
-        async def send() -> list[Any]:  # scripts.pipelined, awaited
-            for _ in range(2):
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for keys, args in calls:
-                        queued = scripts.queue_script(pipe, script, keys, args)
-                        if queued is not None:  # a plain pipeline's call: awaited
-                            await queued
-                    replies = await pipe.execute(raise_on_error=False)
-                if not scripts.noscript(replies):
-                    break
-                await self.redis.script_load(script.script)
-            scripts.raise_retryable(replies)
-            return replies
-        return scripts.collect_replies(reqs, await self._retry(send))
+        reqs = [requests.with_id(r, self.model, self.settings.partitions) for r in reqs]
+        calls = [scripts.Submit(self.keys, req, self.settings) for req in reqs]
+        return requests.collect_replies(await self._retry(script.pipelined_async, self.redis,
+                                                          calls))
 
     async def served_models(self) -> dict[str, int]:
         """Models with at least one live worker -> how many (from the workers'
         heartbeats, judged by Redis's clock)."""
-        keys, args = scripts.served_call(self.keys)
-        return scripts.served_reply(await self._retry(self._scripts.served, keys, args))
+        return await self._retry(script.run_async, self.redis, scripts.Served(self.keys))
 
     # -- read
     async def status(self, job_id: str) -> JobRecord:
@@ -186,9 +172,8 @@ class AsyncClient:
 
     # -- cancel
     async def cancel(self, job_id: str) -> bool:
-        keys, args = scripts.cancel_call(self.keys, scripts.checked_id(job_id), self.settings)
-        reply = await self._retry(self._scripts.cancel, keys, args)
-        return scripts.check_cancel_reply(reply, job_id)
+        call = scripts.Cancel(self.keys, requests.checked_id(job_id), self.settings)
+        return await self._retry(script.run_async, self.redis, call)
 
     # -- lifecycle
     async def aclose(self) -> None:

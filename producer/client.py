@@ -2,7 +2,8 @@
 
 The reading protocol (status, result, stream, subscribe: cursor, trimmed log, terminal
 re-read, timeouts) lives in producer/reader.py, sans I/O, shared with the asyncio client
-(producer/aio.py); request building and reply checks in producer/scripts.py. This class is
+(producer/aio.py); request building in producer/requests.py, the scripts' calls in
+wire/scripts.py. This class is
 the I/O shell: it makes the Redis calls those ask for and hands back the replies.
 
 Riding out a Redis restart: every Redis call of both clients goes through a retry loop
@@ -10,7 +11,7 @@ Riding out a Redis restart: every Redis call of both clients goes through a retr
 connection-level failure is retried whole, with capped exponential backoff, for up to
 ``settings.client_retry_s`` seconds from its first failure, then re-raised (wrong
 credentials and TLS certificate errors are not retried: ``RedisUnusable`` at once, see
-producer/connection.py). Each call is safe to repeat: SUBMIT is idempotent by job id and
+wire/connection.py). Each call is safe to repeat: SUBMIT is idempotent by job id and
 request hash ('exists'), CANCEL is idempotent, the rest are reads; a cut XREAD is re-sent
 from the same cursor, so stream() neither loses nor repeats an event. The pools are built
 without redis-py's retry options, so their connections do not retry on their own
@@ -26,8 +27,8 @@ from typing import Any, TypeVar
 
 import redis
 
-from . import reader, scripts, submit_params
-from .connection import (
+from pagedq.wire import script, scripts
+from pagedq.wire.connection import (
     RETRYABLE,
     RedisUnusable,
     client_redis,
@@ -35,10 +36,12 @@ from .connection import (
     is_fatal,
     looks_cut_by_tls,
 )
-from .keys import Keys
+from pagedq.wire.keys import Keys
+from pagedq.wire.schema import ChatMessage, Event, JobRecord, JobRequest
+from pagedq.wire.settings import Settings
+
+from . import reader, requests, submit_params
 from .reader import RETRY_CAP_S, RETRY_FIRST_S, Backoff
-from .schema import ChatMessage, Event, JobRecord, JobRequest
-from .settings import Settings
 
 # the retry policy is re-exported from here, where it was first defined
 __all__ = ["RETRYABLE", "RETRY_CAP_S", "RETRY_FIRST_S", "Backoff", "Client"]
@@ -58,11 +61,10 @@ class Client:
             redis_url, prefix, model, settings)
         self._url = pool["url"]
         self.redis: redis.Redis = client_redis(self.settings, pool)
-        self._scripts = scripts.register(self.redis)
 
     def keys_of(self, job_id: str) -> Keys:
         """The keys of the partition holding ``job_id`` (``self.keys``: partition 0)."""
-        return self.keys.of_job(scripts.checked_id(job_id), self.settings.partitions)
+        return self.keys.of_job(requests.checked_id(job_id), self.settings.partitions)
 
     def _retry(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``call(*args, **kwargs)``, repeated on connection-level failures (see Backoff);
@@ -118,7 +120,7 @@ class Client:
         Raises InvalidRequest (nothing enqueued), Overloaded, NoWorker, JobConflict.
 
         Exactly one of ``prompt`` and ``messages``; every other parameter left at None
-        takes the wire default, in brackets (docs/protocol.md, producer/schema.py):
+        takes the wire default, in brackets (docs/protocol.md, wire/schema.py):
 
         prompt: the text to continue, or its token ids
         messages: a chat, e.g. [{"role": "user", "content": "Hi"}] (roles system, user,
@@ -151,35 +153,33 @@ class Client:
         **openai: OpenAI's names max_completion_tokens, top_logprobs (with logprobs=True)
             and user (-> metadata["user"]); any other name is refused (InvalidRequest)
         """
-        req = scripts.build_request(prompt, messages, model or self.model, job_id,
+        req = requests.build_request(prompt, messages, model or self.model, job_id,
                                     submit_params.explicit(locals()), openai,
                                     self.settings.partitions)
         return self._submit(req, require_worker)
 
     def submit_request(self, req: JobRequest | dict[str, Any],
                        require_worker: bool = False) -> str:
-        return self._submit(scripts.with_id(req, self.model, self.settings.partitions),
+        return self._submit(requests.with_id(req, self.model, self.settings.partitions),
                             require_worker)
 
     def _submit(self, req: JobRequest, require_worker: bool = False) -> str:
-        keys, args = scripts.submit_call(self.keys, req, self.settings, require_worker)
-        return scripts.check_submit_reply(self._retry(self._scripts.submit, keys, args), req.id)
+        call = scripts.Submit(self.keys, req, self.settings, require_worker)
+        return self._retry(script.run, self.redis, call)
 
     def submit_many(self, reqs: list[JobRequest | dict[str, Any]]) -> list[str]:
         """All requests are validated before anything is sent (InvalidRequest: nothing
         enqueued), then submitted in one pipeline, each atomically but not all together.
         On JobConflict/Overloaded the others are still enqueued; the first error is raised
         with ``.job_ids`` (None where refused). Resubmitting with fixed ids is safe."""
-        reqs = [scripts.with_id(r, self.model, self.settings.partitions) for r in reqs]
-        calls = [scripts.submit_call(self.keys, req, self.settings) for req in reqs]
-        replies = self._retry(scripts.pipelined, self.redis, self._scripts.submit, calls)
-        return scripts.collect_replies(reqs, replies)
+        reqs = [requests.with_id(r, self.model, self.settings.partitions) for r in reqs]
+        calls = [scripts.Submit(self.keys, req, self.settings) for req in reqs]
+        return requests.collect_replies(self._retry(script.pipelined, self.redis, calls))
 
     def served_models(self) -> dict[str, int]:
         """Models with at least one live worker -> how many (from the workers'
         heartbeats, judged by Redis's clock)."""
-        keys, args = scripts.served_call(self.keys)
-        return scripts.served_reply(self._retry(self._scripts.served, keys, args))
+        return self._retry(script.run, self.redis, scripts.Served(self.keys))
 
     # -- read
     def status(self, job_id: str) -> JobRecord:
@@ -215,8 +215,8 @@ class Client:
     def cancel(self, job_id: str) -> bool:
         """True if cancelled (queued) or a cancel was requested (running); False if the
         job had already ended."""
-        keys, args = scripts.cancel_call(self.keys, scripts.checked_id(job_id), self.settings)
-        return scripts.check_cancel_reply(self._retry(self._scripts.cancel, keys, args), job_id)
+        call = scripts.Cancel(self.keys, requests.checked_id(job_id), self.settings)
+        return self._retry(script.run, self.redis, call)
 
     # -- lifecycle
     def close(self) -> None:

@@ -34,29 +34,30 @@ import json
 import random
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from .connection import is_cluster_pubsub, redis_kwargs
-from .errors import EventsTrimmed, JobNotFound, ResultTimeout
-from .keys import Keys, check_name, index_of_entry_id
-from .schema import TERMINAL, Event, FinalEvent, JobRecord, TokenEvent, parse_event
-from .scripts import checked_id
-from .settings import Settings
+from pagedq.wire.connection import is_cluster_pubsub, redis_kwargs
+from pagedq.wire.errors import EventsTrimmed, JobNotFound, ResultTimeout
+from pagedq.wire.events import Cursor, entries_of
+from pagedq.wire.keys import Keys, check_name
+from pagedq.wire.schema import TERMINAL, Event, FinalEvent, JobRecord, TokenEvent, parse_event
+from pagedq.wire.settings import Settings
+
+from .requests import checked_id
 
 POLL_S = 5.0  # longest single blocking read; the job hash is re-checked in between
 # redis-py 8 defaults socket_timeout to 5 s, which would cut a 5 s BLOCK short
 SOCKET_TIMEOUT_S = POLL_S + 10.0
 READ_COUNT = 1000  # out-stream entries per XREAD
 
-# What the clients retry: producer/connection.py ``RETRYABLE`` (a Redis restart, a cluster
+# What the clients retry: wire/connection.py ``RETRYABLE`` (a Redis restart, a cluster
 # master failing over). Not retried although ConnectionErrors: wrong credentials and TLS
 # certificate errors (``is_fatal``); the shells raise them as RedisUnusable.
 RETRY_FIRST_S = 0.05  # first backoff; doubled per failure up to RETRY_CAP_S
 RETRY_CAP_S = 1.0
 
 Clock = Callable[[], float]
-Entries = list[tuple[str, dict[str, str]]]
 
 
 def client_setup(redis_url: str | None, prefix: str | None, model: str | None,
@@ -66,7 +67,7 @@ def client_setup(redis_url: str | None, prefix: str | None, model: str | None,
     ``BlockingConnectionPool.from_url``: decoded replies, a call waits for a free
     connection (no timeout) rather than failing, a socket timeout longer than any BLOCK,
     none of redis-py's retry options (the shells' ``_retry`` is the only retry), and the
-    credentials and TLS files of ``settings`` (producer/connection.py)."""
+    credentials and TLS files of ``settings`` (wire/connection.py)."""
     settings = settings or Settings()
     keys = Keys(prefix or settings.prefix)
     model = check_name("model", model or settings.model)
@@ -183,7 +184,7 @@ class JobHead(Command):
 @dataclass(frozen=True, slots=True)
 class Subscribe(Command):
     """``SUBSCRIBE chan`` on the pub/sub connection (``SSUBSCRIBE`` on a cluster's: there
-    the scripts publish with SPUBLISH, pagedq.producer.lua.sharded)."""
+    the scripts publish with SPUBLISH, pagedq.wire.lua.sharded)."""
     chan: str
 
     def call(self, r: Any, ps: Any = None) -> Any:
@@ -231,77 +232,6 @@ class Exchange:
 
 
 # ---------------------------------------------------------------- helpers
-
-def entries_of(resp: Any) -> Entries:
-    """XREAD reply of one key -> its entries (RESP2 list or RESP3 dict shape)."""
-    if not resp:
-        return []
-    if isinstance(resp, dict):
-        batches = list(resp.values())
-        return list(batches[0][0]) if batches and batches[0] else []
-    return list(resp[0][1])
-
-
-class Cursor:
-    """The next event index a reader expects. XREAD from ``0-idx`` returns index idx on."""
-
-    __slots__ = ("idx",)
-
-    def __init__(self, idx: int) -> None:
-        if idx < 0:
-            raise ValueError("from_index must be >= 0")
-        self.idx = idx
-
-    @property
-    def xid(self) -> str:
-        return f"0-{self.idx}"
-
-    def take(self, entries: Entries) -> tuple[list[Event], bool]:
-        """Events continuing the cursor, and whether the log skips past the next index
-        (its head was trimmed) before the batch ends."""
-        out: list[Event] = []
-        for eid, fields in entries:
-            if index_of_entry_id(eid) != self.idx:
-                return out, True
-            ev = parse_event(fields)
-            out.append(ev)
-            self.idx += 1
-            if isinstance(ev, FinalEvent):
-                break
-        return out, False
-
-
-@dataclass(slots=True)
-class ChoiceReplay:
-    token_ids: list[int] = field(default_factory=list)
-    deltas: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-def replay(entries: Entries, num_choices: int) -> tuple[list[ChoiceReplay], int]:
-    """What earlier attempts of a job published, for a worker that takes it over: each
-    choice's tokens, text and end, and the next event index. Reads events in order from
-    index 0 and stops at the first it cannot continue from (a gap, a final event, an entry
-    it cannot parse, a choice out of range): the events after it are written again."""
-    choices = [ChoiceReplay() for _ in range(num_choices)]
-    cur = Cursor(0)
-    for entry in entries:
-        try:
-            evs, gap = cur.take([entry])
-        except (ValueError, KeyError, TypeError):  # pydantic's ValidationError is a ValueError
-            break
-        if gap:
-            break
-        ev = evs[0]
-        if not isinstance(ev, TokenEvent) or not 0 <= ev.choice < num_choices:
-            cur.idx -= 1  # not taken
-            break
-        c = choices[ev.choice]
-        c.token_ids.extend(ev.token_ids)
-        c.deltas.append(ev.delta)
-        c.finish_reason = ev.finish_reason or c.finish_reason
-    return choices, cur.idx
-
 
 def final_of(job_id: str, h: dict[str, str], last: list[Any], cur: Cursor) -> FinalEvent | None:
     """The final event for a terminal job: the log's last entry if it is final (None when

@@ -1,17 +1,17 @@
 """The keyword parameters of ``Client.submit`` / ``AsyncClient.submit``: one per JobRequest
-field (producer/schema.py) but ``v`` (the schema version), ``id`` (``job_id``), ``prompt``,
-``messages`` and ``model`` (named on their own). tests/test_pagedq_package.py fails when
-JobRequest gains a field that submit() lacks, or the two clients' signatures differ.
+field (wire/schema.py, its sampling fields declared in wire/sampling.py) but ``v`` (the
+schema version), ``id`` (``job_id``), ``prompt``, ``messages`` and ``model`` (named on their
+own). tests/test_pagedq_package.py fails when JobRequest gains a field that submit() lacks,
+or the two clients' signatures differ.
 """
 from __future__ import annotations
 
 from typing import Any
 
-SUBMIT_FIELDS = frozenset({
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "seed", "ignore_eos",
-    "min_tokens", "logprobs", "n", "priority", "lane", "timeout_s", "metadata",
-})
+from pagedq.wire.schema import JobRequest
+
+NAMED_ON_THEIR_OWN = frozenset({"v", "id", "prompt", "messages", "model"})
+SUBMIT_FIELDS = frozenset(JobRequest.model_fields) - NAMED_ON_THEIR_OWN
 
 
 def explicit(args: dict[str, Any]) -> dict[str, Any]:

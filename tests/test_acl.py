@@ -1,4 +1,4 @@
-"""Least-privilege Redis users (`pagedq acl`, producer/acl.py) on a real Redis 7 server
+"""Least-privilege Redis users (`pagedq acl`, admin/acl.py) on a real Redis 7 server
 started with the generated ACL file, two tenants (key prefixes) and one real worker
 process serving both (`--prefixes`, its own `worker` user). Each role does what it must and
 is refused (NOPERM) what it must not; a tenant's flood does not starve another tenant.
@@ -19,15 +19,17 @@ import httpx
 import pytest
 import redis
 
+from pagedq.admin import acl
+from pagedq.batch import Batches, BatchSettings
+from pagedq.cli import main as cli_main
 from pagedq.gateway import apikeys
-from pagedq.producer import AsyncClient, Client, acl, lua
-from pagedq.producer.batch import Batches, BatchSettings
-from pagedq.producer.cli import main as cli_main
-from pagedq.producer.errors import JobNotFound
-from pagedq.producer.invariants import queue_counters
-from pagedq.producer.keys import GROUP, Keys
-from pagedq.producer.scripts import CANCEL_LUA, cancel_call
-from pagedq.producer.settings import Settings
+from pagedq.producer import AsyncClient, Client
+from pagedq.wire import lua
+from pagedq.wire.errors import JobNotFound
+from pagedq.wire.invariants import queue_counters
+from pagedq.wire.keys import GROUP, Keys
+from pagedq.wire.scripts import Cancel
+from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
 from pagedq.worker.tenants import fair_take, rotated
 from tests.model_fixtures import make_tiny_chat_model
@@ -67,7 +69,7 @@ class Env:
 
     def user_env(self, user: str) -> dict[str, str]:
         """How a process is given its user: the name and a secrets file, no password on
-        its command line (producer/connection.py)."""
+        its command line (wire/connection.py)."""
         return {"PAGEDQ_REDIS_USERNAME": user,
                 "PAGEDQ_REDIS_PASSWORD_FILE": str(self.secrets / user)}
 
@@ -170,7 +172,7 @@ def test_the_file_is_built_from_the_key_scheme_and_keeps_no_password(tmp_path, c
     k = Keys("t-1")
     producer = lines["producer-t-1"]
     assert f"#{acl.password_hash(pw)}" in producer and pw not in text
-    # patterns from producer/keys.py; the jobs streams only in the scripts' selector
+    # patterns from wire/keys.py; the jobs streams only in the scripts' selector
     root, selector = producer.split(" (")
     assert f"~{k.job('*')}" in root and f"&{k.chan('*')}" in root and k.jobs("*", "*") not in root
     assert selector.startswith(f"~{k.jobs('*', '*')} ") and selector.endswith(
@@ -204,6 +206,20 @@ def test_every_script_command_is_seen_by_the_parser():
         assert calls == found, name
     assert "xgroup|create" in acl.commands_of_scripts(("submit",))
     assert "xrevrange" in acl.commands_of_scripts(("cancel",))  # pcall(redis.call, ...)
+
+
+def test_each_role_gets_the_commands_of_the_scripts_it_declares_it_runs():
+    """wire/lua's SCRIPTS say who runs what: a role's command rules hold every command of
+    its scripts, and no role but the worker's gets a worker script's XACK."""
+    assert set().union(*(s.roles for s in lua.SCRIPTS.values())) <= set(acl.ROLES)
+    for role in ("producer", "batch", "worker", "gateway"):
+        rules = set(acl.command_rules(role))
+        mine = [n for n, s in lua.SCRIPTS.items() if role in s.roles]
+        assert mine, role
+        for name in mine:
+            assert {f"+{c}" for c in acl.commands_of_scripts((name,))} <= rules, (role, name)
+    assert "+hdel" in acl.command_rules("batch")  # batch_release.lua
+    assert "+xack" in acl.command_rules("worker") and "+xack" not in acl.command_rules("producer")
 
 
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
@@ -295,12 +311,12 @@ def test_another_tenant_cannot_read_cancel_or_forge_a_job(env):
     job = a.submit("tenant one's secret prompt", max_tokens=300, ignore_eos=True)
     until(lambda: a.status(job).status == "running", "the job running", 60)
     r, k = env.raw(f"producer-{T2}"), Keys(T1)
-    cancel_keys, cancel_args = cancel_call(k, job, Settings())
+    cancel_keys, cancel_args = Cancel(k, job, Settings()).keys_args()
     for what in (lambda: r.xrange(k.jobs(MODEL, "interactive")),
                  lambda: r.hget(k.job(job), "status"),
                  lambda: r.hset(k.job(job), "status", "finished"),
                  lambda: r.xadd(k.out(job), {"t": "final", "text": "forged"}),
-                 lambda: r.evalsha(r.script_load(CANCEL_LUA), 3, *cancel_keys, *cancel_args),
+                 lambda: r.evalsha(r.script_load(lua.source("cancel")), 3, *cancel_keys, *cancel_args),
                  lambda: r.execute_command("SUBSCRIBE", k.chan(job))):
         noperm(what)
     # through the client too: its keys are tenant one's, its user tenant two's
@@ -398,7 +414,7 @@ def test_batch_user_runs_a_batch_through_a_real_rq_worker(env, tmp_path):
                   {**env.user_env(user), "PAGEDQ_BATCH_QUEUE": "acl-batch"})
     rq.name, rq._log = f"rq-{os.urandom(4).hex()}", open(rq.log_path, "ab")
     rq.proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedq.worker.cli", "--redis-url", env.srv.url, "batch", "worker",
+        [sys.executable, "-m", "pagedq", "--redis-url", env.srv.url, "batch", "worker",
          "--prefix", T1, "--name", rq.name], stdout=rq._log, stderr=subprocess.STDOUT,
         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **rq.env})
     adm = env.raw("admin")

@@ -14,7 +14,8 @@ def _run(code: str) -> None:
                    env={**os.environ, "PYTHONPATH": ROOT})
 
 
-PACKAGES = ("producer", "worker", "engine", "kernels", "gateway")  # folders of pagedq.<name>
+# folders of pagedq.<name>
+PACKAGES = ("wire", "producer", "batch", "admin", "worker", "engine", "kernels", "gateway")
 
 
 def _loaded(code: str, *, prefixes: tuple[str, ...]) -> None:
@@ -28,21 +29,21 @@ def _loaded(code: str, *, prefixes: tuple[str, ...]) -> None:
 
 
 def test_producer_and_cli_client_path_do_not_import_torch():
-    _loaded("import pagedq, pagedq.producer.client, pagedq.producer.aio, pagedq.producer.cli\n"
-            "import pagedq.worker.cli\npagedq.worker.cli.build_parser()",
+    _loaded("import pagedq, pagedq.producer.client, pagedq.producer.aio, pagedq.client_cli\n"
+            "import pagedq.cli\npagedq.cli.build_parser()",
             prefixes=("torch", "pagedq.engine", "transformers"))
 
 
 def test_gateway_imports_producer_only():
     """The gateway (FastAPI app, CLI, every module) never imports torch, the engine or the
-    worker; `pagedq -h` (pagedq.worker.cli's parser, which registers `pagedq gateway`)
+    worker; `pagedq -h` (pagedq.cli's parser, which registers `pagedq gateway`)
     imports no web framework."""
     _loaded("import pkgutil, importlib, pagedq.gateway\n"
             "for m in pkgutil.iter_modules(pagedq.gateway.__path__):\n"
             "    importlib.import_module('pagedq.gateway.' + m.name)\n"
             "pagedq.gateway.app.create_app()",
             prefixes=("torch", "pagedq.engine", "pagedq.worker", "transformers"))
-    _loaded("import pagedq.worker.cli\npagedq.worker.cli.build_parser()",
+    _loaded("import pagedq.cli\npagedq.cli.build_parser()",
             prefixes=("fastapi", "starlette", "uvicorn"))
 
 
@@ -52,6 +53,91 @@ def test_engine_never_imports_redis():
             prefixes=("redis", "pagedq.producer", "pagedq.worker"))
 
 
+# Who may import whom (docs/design.md "Layout"), package by package: the wire contract is
+# the only code the worker and the clients share; the CLI root (pagedq/) imports them all,
+# and of its modules the packages' own commands import pagedq.exits alone.
+MAY_IMPORT = {
+    "wire": {"wire"},
+    "producer": {"wire", "producer"},
+    "batch": {"wire", "producer", "batch"},
+    "admin": {"wire", "producer", "admin"},
+    "gateway": {"wire", "producer", "batch", "gateway"},
+    "worker": {"wire", "engine", "kernels", "worker"},
+    "engine": {"engine", "kernels", "wire"},  # of wire: ENGINE_WIRE alone
+    "kernels": {"kernels"},
+}
+CLI_ROOT_SHARED = {"pagedq.exits"}  # the exit codes and their error wrapper
+# what the engine takes from the wire package: declarations in plain Python, no redis
+ENGINE_WIRE = {"pagedq.wire", "pagedq.wire.declared", "pagedq.wire.engine_config",
+               "pagedq.wire.guided",
+               "pagedq.wire.sampling"}
+
+
+def _package(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in PACKAGES else "pagedq"
+
+
+def test_every_package_imports_only_what_its_layer_may():
+    assert set(MAY_IMPORT) == set(PACKAGES)
+    bad = []
+    for mod, deps in sorted(_project_imports().items()):
+        pkg = _package(mod)
+        if pkg == "pagedq":
+            continue  # the CLI root and the lazy public names: every package
+        for dep in sorted(deps):
+            to = _package(dep)
+            if to == "pagedq" and dep not in CLI_ROOT_SHARED | {"pagedq"}:
+                bad.append(f"{mod} -> {dep}")
+            elif to != "pagedq" and to not in MAY_IMPORT[pkg]:
+                bad.append(f"{mod} -> {dep}")
+            elif pkg == "engine" and to == "wire" and dep not in ENGINE_WIRE:
+                bad.append(f"{mod} -> {dep}")
+    assert not bad, bad
+
+
+def test_the_worker_and_the_clients_share_only_the_wire_contract():
+    """Imported for real (not only as written): the worker's modules bring in no client,
+    batch, admin or gateway module; the clients' bring in no worker module."""
+    _loaded("import pkgutil, importlib, pagedq.worker\n"
+            "for m in pkgutil.iter_modules(pagedq.worker.__path__):\n"
+            "    importlib.import_module('pagedq.worker.' + m.name)",
+            prefixes=("pagedq.producer", "pagedq.batch", "pagedq.admin", "pagedq.gateway",
+                      "pagedq.cli", "pagedq.client_cli"))
+    _loaded("import pkgutil, importlib, pagedq.producer, pagedq.wire\n"
+            "for p in (pagedq.producer, pagedq.wire):\n"
+            "    for m in pkgutil.iter_modules(p.__path__):\n"
+            "        importlib.import_module(p.__name__ + '.' + m.name)",
+            prefixes=("pagedq.worker", "pagedq.engine", "pagedq.batch", "pagedq.admin",
+                      "pagedq.gateway", "torch"))
+
+
+def _sources() -> list[tuple[str, str]]:
+    """(path, text) of every module of pagedq's packages and its root."""
+    out = []
+    for pkg in ("pagedq", *PACKAGES):
+        for dirpath, _dirs, files in os.walk(os.path.join(ROOT, pkg)):
+            out += [(os.path.relpath(os.path.join(dirpath, n), ROOT),
+                     open(os.path.join(dirpath, n)).read()) for n in files if n.endswith(".py")]
+    return out
+
+
+def test_every_lua_script_is_a_file_of_wire_lua_run_one_way():
+    """No Lua inside Python strings; every .lua file of wire/lua/ is a declared script (or
+    a prelude) and every declared script has its file; nothing but pagedq.wire.script
+    sends a script (EVALSHA) or makes redis-py Script objects."""
+    from pagedq.wire import lua
+
+    inline = [p for p, text in _sources() if "redis.call(" in text and "KEYS[" in text]
+    assert not inline, inline
+    files = {n[:-4] for n in os.listdir(os.path.join(ROOT, "wire", "lua")) if n.endswith(".lua")}
+    preludes = {s.prelude for s in lua.SCRIPTS.values()} - {None}
+    assert files == set(lua.SCRIPTS) | preludes, files ^ (set(lua.SCRIPTS) | preludes)
+    runs = [p for p, text in _sources() if p != os.path.join("wire", "script.py")
+            and re.search(r"register_script\(|evalsha\(|command\(\s*\"EVAL|\.eval\(\s*[A-Z_]", text)]
+    assert not runs, runs
+
+
 def test_scheduler_and_block_manager_do_not_import_torch():
     _loaded("import pagedq.engine.scheduler, pagedq.engine.block_manager", prefixes=("torch",))
 
@@ -59,7 +145,7 @@ def test_scheduler_and_block_manager_do_not_import_torch():
 def test_guided_spec_validation_imports_no_torch():
     """The client side and the gateway can refuse a bad guided spec at submit: the check
     (and its library, llguidance) imports no torch, transformers or numpy."""
-    _loaded("from pagedq.engine.guided_spec import GuidedSpec, validate_guided\n"
+    _loaded("from pagedq.wire.guided import GuidedSpec, validate_guided\n"
             "validate_guided(GuidedSpec('json_schema', '{\"type\": \"object\"}'))\n"
             "validate_guided(GuidedSpec('regex', '[0-9]+'))\n"
             "try:\n    validate_guided(GuidedSpec('regex', 'a('))\n"

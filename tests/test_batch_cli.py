@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-import pagedq.producer.cli as client_cli
-from pagedq.producer.batch import cli as batch_cli
-from pagedq.producer.cli import build_parser, main
+import pagedq.client_cli as client_cli
+from pagedq.batch import cli as batch_cli
+from pagedq.cli import build_parser, main
 from tests.test_cli_client import options_without_default, parsers
 
 SUBCOMMANDS = ("submit", "status", "results", "cancel", "retry", "list", "worker")
@@ -38,7 +38,7 @@ def test_exit_codes_are_the_client_commands_numbers():
 
 def test_batch_group_and_every_option_states_its_default():
     progs = {p.prog for p in parsers(build_parser())}
-    assert {f"pagedq-client batch {c}" for c in SUBCOMMANDS} <= progs
+    assert {f"pagedq batch {c}" for c in SUBCOMMANDS} <= progs
     assert options_without_default(build_parser()) == []
 
 
@@ -50,7 +50,7 @@ def test_batch_group_and_every_option_states_its_default():
      "redis://a", "X", "--prefix", "p"],
 ])
 def test_common_options_in_any_position_the_last_wins(argv):
-    from pagedq.worker.cli import build_parser as pagedq_parser
+    from pagedq.cli import build_parser as pagedq_parser
 
     for parser in (build_parser(), pagedq_parser()):
         args = parser.parse_args(argv)

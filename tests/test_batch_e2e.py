@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from pagedq.producer.batch import Batches, BatchSettings
-from pagedq.producer.batch.lines import job_id
-from pagedq.producer.cli import main as client_main
-from pagedq.producer.settings import Settings
+from pagedq.batch import Batches, BatchSettings
+from pagedq.batch.lines import job_id
+from pagedq.cli import main as client_main
+from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
 from tests.model_fixtures import make_tiny_chat_model
 from tests.tiny_service import MODEL
@@ -47,7 +47,7 @@ class RqWorker:
 
     def start(self) -> RqWorker:
         self.name = f"rq-{os.urandom(4).hex()}"
-        cmd = [sys.executable, "-m", "pagedq.worker.cli", "--redis-url", self.url, "batch", "worker",
+        cmd = [sys.executable, "-m", "pagedq", "--redis-url", self.url, "batch", "worker",
                "--prefix", PREFIX, "--name", self.name]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -390,8 +390,8 @@ def test_ingest_killed_mid_fan_out_and_restarted_loses_and_doubles_nothing(env, 
 def test_async_api_and_bad_input(env, tmp_path):
     import asyncio
 
-    from pagedq.producer.batch import AsyncBatches
-    from pagedq.producer.errors import InvalidRequest
+    from pagedq.batch import AsyncBatches
+    from pagedq.wire.errors import InvalidRequest
 
     src = tmp_path / "in.jsonl"
     valid, _ = write_input(src, 10, bad=False)

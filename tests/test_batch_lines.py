@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pagedq.producer.batch import files as F
-from pagedq.producer.batch.lines import (
+from pagedq.batch import files as F
+from pagedq.batch.lines import (
     Line,
     LineError,
     Validator,
@@ -16,9 +16,9 @@ from pagedq.producer.batch.lines import (
     read_lines,
     request,
 )
-from pagedq.producer.batch.record import Batch
-from pagedq.producer.batch.settings import window_seconds
-from pagedq.producer.batch.shape import invalid_line, outcome
+from pagedq.batch.record import Batch
+from pagedq.batch.settings import window_seconds
+from pagedq.batch.shape import invalid_line, outcome
 
 B, M = "batch_x", "tiny"
 
@@ -193,7 +193,7 @@ def test_invalid_lines_are_keyed_by_line_not_custom_id():
 
 
 def test_copy_input_enforces_the_limits(tmp_path):
-    from pagedq.producer.errors import InvalidRequest
+    from pagedq.wire.errors import InvalidRequest
 
     src = tmp_path / "in.jsonl"
     src.write_bytes(b"a\n\nb\n")

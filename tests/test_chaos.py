@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from pagedq.producer import Client
-from pagedq.producer.schema import FinalEvent
-from pagedq.producer.settings import Settings
+from pagedq.wire.schema import FinalEvent
+from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
 from tests.model_fixtures import make_tiny_model
 from tests.worker_proc import WorkerProc

@@ -1,4 +1,4 @@
-"""Client CLI (pagedq.producer.cli.main) against a real redis-server, and the no-torch import rule."""
+"""The job commands (pagedq/client_cli.py, through pagedq.cli.main) against a real redis-server, and the no-torch import rule."""
 from __future__ import annotations
 
 import argparse
@@ -13,11 +13,11 @@ from collections.abc import Iterator
 
 import pytest
 
-import pagedq.producer.cli as client_cli
+import pagedq.client_cli as client_cli
+from pagedq.cli import build_parser, main, version
 from pagedq.producer import Client
-from pagedq.producer.cli import build_parser, main, version
-from pagedq.producer.keys import out_entry_id
-from pagedq.producer.schema import final_fields
+from pagedq.wire.keys import out_entry_id
+from pagedq.wire.schema import final_fields
 from tests.test_producer import DELTAS, bg, play, write_final
 from tests.worker_proc import ROOT
 
@@ -122,7 +122,7 @@ def test_cancel(c, capsys):
 
 
 def test_producer_never_imports_torch():
-    code = ("import producer, sys; import pagedq.producer.client, pagedq.producer.aio, pagedq.producer.cli; "
+    code = ("import producer, sys; import pagedq.producer.client, pagedq.producer.aio, pagedq.client_cli; "
             "assert 'torch' not in sys.modules, 'torch imported'; "
             "assert not any(m.split('.')[0] in ('engine', 'worker') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -177,10 +177,10 @@ def test_submit_stream_and_wait_exit_8_when_the_deadline_ends_the_job(c, capsys,
 
 
 def test_result_exit_code_of_a_real_process(c):
-    """`python -m pagedq.producer.cli result` with the root options after the subcommand."""
+    """`python -m pagedq result` with the root options after the subcommand."""
     jid = c.submit("x")
     finish(c, jid, "finished", "deadline", "half")
-    r = subprocess.run([sys.executable, "-m", "pagedq.producer.cli", "result", jid, "--redis-url", c.url,
+    r = subprocess.run([sys.executable, "-m", "pagedq", "result", jid, "--redis-url", c.url,
                         "--prefix", c.keys.prefix], capture_output=True, text=True, timeout=60,
                        cwd=ROOT)
     assert (r.returncode, r.stdout) == (8, "half\n") and "deadline" in r.stderr
@@ -242,7 +242,7 @@ def test_version(capsys):
     expected = f"pagedq {importlib.metadata.version('pagedq')}\n"
     assert main(["--version"]) == 0
     assert capsys.readouterr().out == expected
-    r = subprocess.run([sys.executable, "-m", "pagedq.producer.cli", "--version"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "pagedq", "--version"], capture_output=True,
                        text=True, timeout=60, cwd=ROOT)
     assert (r.returncode, r.stdout) == (0, expected)
 
@@ -281,6 +281,7 @@ def options_without_default(parser: argparse.ArgumentParser) -> list[str]:
 def test_every_option_help_states_its_default():
     p = build_parser()
     # 4 job commands, watch, batch and its 7 subcommands, acl, inspect, dlq and its 2
-    # subcommands
-    assert len(list(parsers(p))) == 19
+    # subcommands; worker, config, demo, gateway and its key, key add/list/revoke (the one
+    # root parser holds every command: pagedq/cli.py)
+    assert len(list(parsers(p))) == 19 + 8
     assert options_without_default(p) == []

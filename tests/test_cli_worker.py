@@ -1,4 +1,4 @@
-"""The `pagedq` command (worker/cli.py): root options before or after the subcommand,
+"""The `pagedq` command (pagedq/cli.py, worker/cli.py): root options before or after the subcommand,
 --version, help text, and bad worker settings -> one line on stderr + exit 78 (EX_CONFIG),
 checked in real subprocesses (a bad setting is found before the model loads, so these
 are cheap; only --model /nonexistent imports torch)."""
@@ -14,10 +14,11 @@ import uuid
 
 import pytest
 
-from pagedq.producer import Client
+from pagedq.cli import build_parser, main
+from pagedq.producer import Client, Settings
 from pagedq.worker import cli as worker_cli
 from pagedq.worker import metrics as worker_metrics
-from pagedq.worker.cli import EXIT_CONFIG, build_parser, main, settings_from
+from pagedq.worker.cli import EXIT_CONFIG, settings_from
 from tests.test_cli_client import options_without_default, parsers
 from tests.worker_proc import ROOT
 
@@ -27,7 +28,7 @@ DEAD = "redis://127.0.0.1:1/0"  # nothing listens: a worker that got this far wo
 def pagedq(*argv: str, env: dict[str, str] | None = None,
            timeout: float = 120) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDQ_")}
-    return subprocess.run([sys.executable, "-m", "pagedq.worker.cli", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pagedq", *argv], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT,
                           env={**clean, "PYTHONPATH": ROOT, **(env or {})})
 
@@ -173,7 +174,8 @@ def test_engine_defaults_in_help_match_engine_config():
     helps = {a.dest: a.help for a in w._actions}
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         assert f"(default: {getattr(cfg, name)})" in helps[name], name
-    assert {f.name for f in dataclasses.fields(EngineConfig)} >= set(worker_cli.ENGINE_INT_OPTIONS)
+    ints = {a.dest for a in w._actions if a.type is int} - set(Settings.model_fields)
+    assert ints and {f.name for f in dataclasses.fields(EngineConfig)} >= ints
 
 
 def test_help_documents_exit_codes(capsys):

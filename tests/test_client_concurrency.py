@@ -7,8 +7,8 @@ import threading
 import time
 
 from pagedq.producer import AsyncClient
-from pagedq.producer.keys import out_entry_id
-from pagedq.producer.schema import final_fields, token_fields
+from pagedq.wire.keys import out_entry_id
+from pagedq.wire.schema import final_fields, token_fields
 
 
 def test_async_client_streams_150_jobs_at_once(redis_server, r):

@@ -22,8 +22,8 @@ import redis
 
 from pagedq.producer import AsyncClient, Client, FinalEvent, Settings, TokenEvent
 from pagedq.producer.client import RETRY_CAP_S, RETRY_FIRST_S, RETRYABLE, Backoff
-from pagedq.producer.keys import Keys, out_entry_id
-from pagedq.producer.schema import JobRecord, final_fields, token_fields
+from pagedq.wire.keys import Keys, out_entry_id
+from pagedq.wire.schema import JobRecord, final_fields, token_fields
 from pagedq.worker.redis_server import RedisServer, free_port
 
 MODEL = "m1"

@@ -23,15 +23,16 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from pagedq.admin.inspection import snapshot
+from pagedq.batch import Batches, BatchSettings
 from pagedq.producer import AsyncClient, Client
-from pagedq.producer.batch import Batches, BatchSettings
-from pagedq.producer.cluster_keys import moving_keys
-from pagedq.producer.errors import JobNotFound
-from pagedq.producer.inspection import snapshot
-from pagedq.producer.keys import Keys, new_job_id, partition_of
-from pagedq.producer.schema import FinalEvent, JobRequest
-from pagedq.producer.scripts import req_hash, submit_call, with_id
-from pagedq.producer.settings import Settings
+from pagedq.producer.requests import with_id
+from pagedq.wire.cluster_keys import moving_keys
+from pagedq.wire.errors import JobNotFound
+from pagedq.wire.keys import Keys, new_job_id, partition_of
+from pagedq.wire.schema import FinalEvent, JobRequest
+from pagedq.wire.scripts import Submit, req_hash
+from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
 from tests.cluster_fixture import Cluster
 from tests.test_batch_e2e import RqWorker
@@ -133,7 +134,7 @@ def greedy(c: Client, max_tokens: int = 40, **kw) -> str:
 def test_one_partition_keys_are_the_original_scheme(redis_server):
     s = Settings(redis_url=redis_server.url, prefix="n1", model=MODEL)  # partitions=1
     req = JobRequest(id="k1", model=MODEL, prompt="hi", max_tokens=4)
-    keys, _ = submit_call(Keys("n1"), req, s)
+    keys, _ = Submit(Keys("n1"), req, s).keys_args()
     assert keys == ["{n1}:job:k1", "{n1}:jobs:tiny:interactive",
                     "{n1}:qtokens:tiny:interactive", "{n1}:out:k1",
                     "{n1}:qjobs:tiny:interactive", "{n1}:serving:tiny", "{n1}:models"]
@@ -191,7 +192,7 @@ def test_a_batch_lives_in_one_partition_with_its_jobs(env, tmp_path):
     rq = RqWorker(env.single.url, batch_dir, {"PAGEDQ_PARTITIONS": str(N)})
     rq.name, rq._log = f"rq-{os.urandom(4).hex()}", open(rq.log_path, "ab")
     rq.proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedq.worker.cli", "--redis-url", env.single.url, "batch", "worker",
+        [sys.executable, "-m", "pagedq", "--redis-url", env.single.url, "batch", "worker",
          "--prefix", "s3", "--name", rq.name], stdout=rq._log, stderr=subprocess.STDOUT,
         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **rq.env})
     r = redis.Redis.from_url(env.single.url, decode_responses=True)
@@ -260,7 +261,7 @@ def calls(cluster: Cluster, *commands: str) -> tuple[int, ...]:
 
 def test_cluster_stream_reads_ask_no_server_for_their_keys(env):
     """Every reader's XREAD, every worker's XREADGROUP and every script call in a
-    pipeline is routed by keys found locally (producer/cluster_keys.py): redis-py asked
+    pipeline is routed by keys found locally (wire/cluster_keys.py): redis-py asked
     the client's default node with COMMAND GETKEYS before each, an extra round trip that
     loaded one master with them all."""
     c = env.client()
@@ -385,7 +386,7 @@ def test_cluster_gateway_serves_concurrent_first_requests(env, tmp_path):
                 "PAGEDQ_PARTITIONS": str(N)}
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedq.worker.cli", "--redis-url", env.cluster.url, "gateway",
+            [sys.executable, "-m", "pagedq", "--redis-url", env.cluster.url, "gateway",
              "--prefix", env.prefix, "--port", str(port), "--auth", "off", "--model", MODEL,
              "--batch-dir", str(tmp_path / "batches")],
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env_vars)
@@ -526,7 +527,7 @@ def test_cluster_master_killed_mid_run_every_job_one_result(env):
 def test_cluster_unreachable_is_a_retryable_connection_error():
     """No node answers: redis.ConnectionError naming the (redacted) URL, which the clients'
     and worker's retry loops retry; not RedisUnusable, which would stop them."""
-    from pagedq.producer.connection import RedisUnusable, connect_cluster
+    from pagedq.wire.connection import RedisUnusable, connect_cluster
     from pagedq.worker.redis_server import free_port
 
     url = f"redis://user:s3cret@127.0.0.1:{free_port()}"

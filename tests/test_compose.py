@@ -30,10 +30,10 @@ import pytest
 import redis
 import yaml
 
+from pagedq.batch.settings import BatchSettings
+from pagedq.cli import build_parser
 from pagedq.producer import Client
-from pagedq.producer.batch.settings import BatchSettings
-from pagedq.producer.settings import Settings
-from pagedq.worker.cli import build_parser
+from pagedq.wire.settings import Settings
 from pagedq.worker.names import served_name
 from pagedq.worker.redis_server import free_port
 from tests.waiting import until
@@ -384,7 +384,7 @@ def test_dockerfile_variants_user_healthchecks_and_copies():
     assert any(i == "RUN" and "useradd" in a and "--uid 10001" in a for i, a in st["base"])
     assert ("ENTRYPOINT", '["pagedq"]') in st["final"]
     for stage, probe in (("cpu", "pagedq.worker.healthcheck"), ("gpu", "pagedq.worker.healthcheck"),
-                         ("client", "pagedq.producer.batch.healthcheck")):
+                         ("client", "pagedq.batch.healthcheck")):
         (hc,) = [a for i, a in st[stage] if i == "HEALTHCHECK"]
         assert hc.endswith(f'CMD ["python", "-m", "{probe}"]'), hc
     copied = set()
@@ -413,7 +413,7 @@ def test_dockerignore_keeps_out_the_venv_git_wheels_and_caches():
                  "pagedq.egg-info/PKG-INFO", "deploy/secrets/worker", "deploy/redis/users.acl",
                  "models/Qwen3-0.6B/model.safetensors", ".env"):
         assert dockerignored(path), path
-    for path in ("producer/cli.py", "worker/service.py", "engine/llm_engine.py",
+    for path in ("producer/client.py", "worker/service.py", "engine/llm_engine.py",
                  "kernels/__init__.py", "pyproject.toml", "README.md", "Dockerfile"):
         assert not dockerignored(path), path
 
@@ -448,7 +448,7 @@ class Stack:
 
     def start_redis(self) -> None:
         acl_file = self.tmp / "users.acl"
-        res = subprocess.run([sys.executable, "-m", "pagedq.worker.cli", "acl", "--secrets-dir",
+        res = subprocess.run([sys.executable, "-m", "pagedq", "acl", "--secrets-dir",
                               str(self.secrets), "--default-user", "ping", "-o", str(acl_file)],
                              cwd=ROOT, capture_output=True, text=True, timeout=60,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -500,7 +500,7 @@ class Stack:
         """``pagedq ARGS`` (the image's ENTRYPOINT) with ``env``; output in a log file."""
         log = Path(tempfile.mktemp(prefix="pagedq-compose-", suffix=".log", dir=self.tmp))
         with open(log, "wb") as f:
-            p = subprocess.Popen([sys.executable, "-m", "pagedq.worker.cli", *args], cwd=ROOT,
+            p = subprocess.Popen([sys.executable, "-m", "pagedq", *args], cwd=ROOT,
                                  stdout=f, stderr=subprocess.STDOUT,
                                  env={**os.environ, "PYTHONPATH": str(ROOT), **env})
         self.procs.append(p)

@@ -20,9 +20,9 @@ import pytest
 import redis
 from pydantic import SecretStr
 
+from pagedq.cli import build_parser, main
 from pagedq.producer import Client
-from pagedq.producer.settings import Settings
-from pagedq.worker.cli import build_parser, main
+from pagedq.wire.settings import Settings
 from pagedq.worker.config import (
     FLAGGED,
     ConfigError,
@@ -127,6 +127,32 @@ def test_seed_is_random_per_process_unless_set(tmp_path):
 
 
 # ---- every key maps to a real setting, every setting has a key ---------------------------
+
+def test_each_declared_choice_is_taken_from_every_layer_and_nothing_else(monkeypatch, capsys):
+    """A setting's choices are declared once (wire/engine_config.py, worker/settings.py):
+    the flag, the variable and the engine take each of them, and refuse anything else."""
+    from pagedq.worker.cli import check_config
+    from pagedq.worker.settings import DECLARED
+
+    with_choices = [d for d in DECLARED.values() if d.setting.choices]
+    assert {d.name for d in with_choices} >= {"dtype", "kv_cache_dtype", "block_size",
+                                              "load_format", "scheduling_policy", "log_level"}
+    for d in with_choices:
+        for value in d.setting.choices:
+            cfg = check_config(build_parser().parse_args(["config", flag_name(d.name),
+                                                          str(value)]))
+            assert cfg.value(d.name) == value, d.name
+            monkeypatch.setenv(env_name(d.name), str(value))
+            assert check_config(build_parser().parse_args(["config"])).value(d.name) == value
+            monkeypatch.delenv(env_name(d.name))
+        monkeypatch.setenv(env_name(d.name), "99" if d.base is int else "bogus")
+        assert main(["config"]) == 78 and d.name in capsys.readouterr().err.lower().replace(
+            "pagedq_", "").replace("-", "_"), d.name
+        monkeypatch.delenv(env_name(d.name))
+        bad = main(["config", flag_name(d.name), "99" if d.base is int else "bogus"])
+        assert bad == (2 if d.setting.flag_choices else 78), d.name
+        capsys.readouterr()
+
 
 def test_sections_cover_every_setting_once():
     names = [n for keys in sections().values() for n in keys.values()]
@@ -318,7 +344,7 @@ def test_a_bad_password_value_is_not_echoed(tmp_path, capsys):
 
 def test_pagedq_config_table_and_no_torch(tmp_path):
     f = write(tmp_path, "cache:\n  block_size: 64\n")
-    code = ("import sys\nfrom pagedq.worker.cli import main\n"
+    code = ("import sys\nfrom pagedq.cli import main\n"
             f"rc = main(['config', '--config', {f!r}, '--max-num-seqs', '3'])\n"
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
             "assert rc == 0 and not bad, (rc, bad)")
@@ -403,7 +429,7 @@ def file_worker(tmp_path_factory, tiny_dir, shared_redis_server):
     env.update(PYTHONPATH=ROOT, PAGEDQ_FAILPOINTS="step_sleep_s=0.03")
     log_path = d / "worker.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pagedq.worker.cli", "worker", "--config",
+        proc = subprocess.Popen([sys.executable, "-m", "pagedq", "worker", "--config",
                                  str(path)], stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=ROOT)
     r = redis.Redis.from_url(shared_redis_server.url, decode_responses=True)

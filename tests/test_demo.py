@@ -14,7 +14,7 @@ import sys
 import pytest
 import redis
 
-from pagedq.worker.demo_view import SUMMARY_TITLE
+from pagedq.demo_view import SUMMARY_TITLE
 from tests.worker_proc import ROOT
 
 pexpect = pytest.importorskip("pexpect")
@@ -43,7 +43,7 @@ def _screen_text(raw: bytes) -> list[str]:
 
 
 def test_live_view_through_a_terminal(redis_server):
-    child = pexpect.spawn(sys.executable, ["-m", "pagedq.worker.cli", "demo", "--redis-url",
+    child = pexpect.spawn(sys.executable, ["-m", "pagedq", "demo", "--redis-url",
                                            redis_server.url, *ARGS],
                           cwd=ROOT, env=_env(), dimensions=(ROWS, COLS), timeout=600)
     chunks = []
@@ -75,7 +75,7 @@ def test_live_view_through_a_terminal(redis_server):
 
 
 def test_plain_lines_for_logs(redis_server):
-    r = subprocess.run([sys.executable, "-m", "pagedq.worker.cli", "demo", "--plain", "--redis-url",
+    r = subprocess.run([sys.executable, "-m", "pagedq", "demo", "--plain", "--redis-url",
                         redis_server.url, *ARGS], cwd=ROOT, env=_env(), capture_output=True,
                        text=True, timeout=600)
     out = r.stdout

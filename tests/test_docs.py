@@ -51,7 +51,7 @@ def session_block(text: str) -> str:
 # ---------------------------------------------------------------- JSON Schemas
 
 def _jsonschema(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagedq.producer.jsonschema", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "pagedq.wire.jsonschema", *args], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=120)
 
@@ -68,7 +68,7 @@ def test_json_schema_files_are_up_to_date():
 
 
 def test_json_schema_check_fails_on_an_edited_or_missing_file(tmp_path):
-    from pagedq.producer import jsonschema
+    from pagedq.wire import jsonschema
 
     for p in (ROOT / "docs" / "schema").glob("*.schema.json"):
         shutil.copy(p, tmp_path / p.name)
@@ -88,10 +88,31 @@ def test_json_schema_check_fails_on_an_edited_or_missing_file(tmp_path):
 
 
 def test_json_schema_generator_does_not_import_torch():
-    code = ("import sys, pagedq.producer.jsonschema\n"
+    code = ("import sys, pagedq.wire.jsonschema\n"
             "assert 'torch' not in sys.modules and 'engine' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+# ---------------------------------------------------------------- configuration.md
+
+def test_configuration_doc_tables_are_made_from_the_declarations(tmp_path):
+    """docs/configuration.md's tables are what worker/config_doc.py makes of the settings'
+    declarations; --check fails on an edited copy and writing repairs it."""
+    run = [sys.executable, "-m", "pagedq.worker.config_doc"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([*run, "--check"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    copy = tmp_path / "configuration.md"
+    text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    copy.write_text(text.replace("| `64` | sequences in one engine step",
+                                 "| `32` | sequences in one engine step"), encoding="utf-8")
+    res = subprocess.run([*run, "--check", "--doc", str(copy)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "configuration.md" in res.stderr
+    subprocess.run([*run, "--doc", str(copy)], cwd=ROOT, env=env, check=True, timeout=120)
+    assert copy.read_text(encoding="utf-8") == text
 
 
 # ---------------------------------------------------------------- no links outside
@@ -152,16 +173,16 @@ def with_scripts(text: str, scripts: dict[str, str]) -> str:
 def test_protocol_doc_carries_the_scripts_verbatim():
     """The doc's copies are the text the Python client sends. After changing a script,
     ``PAGEDQ_UPDATE_DOCS=1 pytest tests/test_docs.py -k verbatim`` rewrites them."""
-    from pagedq.producer.scripts import CANCEL_LUA, SUBMIT_LUA
+    from pagedq.wire.lua import source
 
-    code = {"SUBMIT_LUA": SUBMIT_LUA, "CANCEL_LUA": CANCEL_LUA}
+    code = {"SUBMIT_LUA": source("submit"), "CANCEL_LUA": source("cancel")}
     if os.environ.get("PAGEDQ_UPDATE_DOCS") == "1":
         PROTOCOL.write_text(with_scripts(doc_text(), code), encoding="utf-8")
     blocks = lua_blocks(doc_text())
     assert blocks.keys() == code.keys()
     for name, text in code.items():
         assert blocks[name] == text.strip("\n"), (
-            f"docs/protocol.md's copy of {name} differs from pagedq.producer.scripts.{name}; "
+            f"docs/protocol.md's copy of {name} differs from its wire/lua/ source; "
             f"PAGEDQ_UPDATE_DOCS=1 pytest tests/test_docs.py -k verbatim rewrites it")
 
 

@@ -10,8 +10,8 @@ import urllib.request
 import pytest
 
 from pagedq.producer import Client
-from pagedq.producer.errors import InvalidRequest
-from pagedq.producer.keys import GROUP
+from pagedq.wire.errors import InvalidRequest
+from pagedq.wire.keys import GROUP
 from pagedq.worker.redis_server import free_port
 from tests.waiting import until
 from tests.worker_proc import WorkerProc

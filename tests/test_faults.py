@@ -13,10 +13,10 @@ import uuid
 import pytest
 
 from pagedq.producer import Client
-from pagedq.producer.errors import NoWorker
-from pagedq.producer.invariants import queue_counters
-from pagedq.producer.schema import TokenEvent
-from pagedq.producer.settings import Settings
+from pagedq.wire.errors import NoWorker
+from pagedq.wire.invariants import queue_counters
+from pagedq.wire.schema import TokenEvent
+from pagedq.wire.settings import Settings
 from pagedq.worker.fatal import EXIT_FAULT
 from tests.test_reliability import check_consistent, gen
 from tests.tiny_service import MODEL

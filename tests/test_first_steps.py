@@ -1,5 +1,5 @@
 """A worker's start as a person sees it (worker/startup.py) and `pagedq watch`
-(producer/watch.py), against one tiny-model worker on a redis-server of this module."""
+(pagedq/watch.py), against one tiny-model worker on a redis-server of this module."""
 from __future__ import annotations
 
 import io
@@ -34,7 +34,7 @@ def service(tiny_dir):
 
 def pagedq(srv, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDQ_")}
-    return subprocess.run([sys.executable, "-m", "pagedq.worker.cli", "--redis-url", srv.url,
+    return subprocess.run([sys.executable, "-m", "pagedq", "--redis-url", srv.url,
                            "--prefix", PREFIX, *argv], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env={**env, "PYTHONPATH": ROOT})
 
@@ -110,7 +110,7 @@ def test_watch_live_view_through_a_terminal(service):
 
     srv, _w, c = service
     job = c.submit("hello live", max_tokens=16, temperature=0, ignore_eos=True)
-    child = pexpect.spawn(sys.executable, ["-m", "pagedq.worker.cli", "--redis-url", srv.url,
+    child = pexpect.spawn(sys.executable, ["-m", "pagedq", "--redis-url", srv.url,
                                            "--prefix", PREFIX, "watch", job],
                           cwd=ROOT, env=_env(), dimensions=(ROWS, COLS), timeout=120)
     raw = child.read()

@@ -26,9 +26,9 @@ import openai
 import pytest
 import redis
 
+from pagedq.cli import main as pagedq_main
 from pagedq.producer import Client
-from pagedq.producer.settings import Settings
-from pagedq.worker.cli import main as pagedq_main
+from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
 from tests.model_fixtures import make_tiny_chat_model
 from tests.test_batch_e2e import RqWorker, until
@@ -77,7 +77,7 @@ class Gateway:
         self.log_path = tempfile.mktemp(prefix="pagedq-gateway-", suffix=".log")
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedq.worker.cli", "--redis-url", url, "gateway", "--prefix",
+            [sys.executable, "-m", "pagedq", "--redis-url", url, "gateway", "--prefix",
              prefix, "--port", str(self.port), "--auth", "on", "--model", MODEL,
              "--batch-dir", str(batch_dir), "--log-level", "info"],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -317,9 +317,9 @@ async def in_process(stack, path: str, body: dict, headers: dict,
                      **settings) -> httpx.Response:
     """One request to another gateway: the app built in this process (its own clients, no
     state shared with the gateway process but Redis), ``settings`` its own."""
+    from pagedq.batch import BatchSettings
     from pagedq.gateway.app import create_app
     from pagedq.gateway.settings import GatewaySettings
-    from pagedq.producer.batch import BatchSettings
     app = create_app(Settings(redis_url=stack.url, prefix=PREFIX, model=MODEL, **settings),
                      GatewaySettings(auth="on"), BatchSettings(batch_dir=str(stack.dir)))
     try:

@@ -46,7 +46,7 @@ def test_cuda_guided_rows_async_equal_cpu_reference(tiny_model_dir):
     """Guided rows on CUDA with async scheduling (masks built from the step in flight's
     tokens, pinned, applied by the Triton mask kernel) give the CPU engine's greedy tokens,
     beside unguided rows, through CUDA graphs."""
-    from pagedq.engine.guided_spec import GuidedSpec
+    from pagedq.wire.guided import GuidedSpec
     folder = str(tiny_model_dir("Qwen3ForCausalLM"))
     rng = random.Random(5)
     prompts = [rng.choices(range(250), k=n) for n in (9, 40, 3, 70)]

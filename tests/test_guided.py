@@ -15,7 +15,7 @@ import pytest
 
 from pagedq.engine import LLMEngine, SamplingParams
 from pagedq.engine.guided import GrammarCache
-from pagedq.engine.guided_spec import GuidedSpec, validate_guided
+from pagedq.wire.guided import GuidedSpec, validate_guided
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "color"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -121,8 +121,10 @@ def test_logit_bias_pushes_and_bans_tokens(smol):
     assert both["p"]["ids"] == base and both["q"]["ids"] == banned
     with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 49152\)"):
         smol.add_request("z", messages=q, params=SamplingParams(logit_bias={49152: 1.0}))
-    with pytest.raises(ValueError, match="logit_bias values"):
+    with pytest.raises(ValueError, match=r"logit_bias\.1: Input should be less than or equal to 100"):
         SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(ValueError, match=r"logit_bias\.-1: Input should be greater than or equal to 0"):
+        SamplingParams(logit_bias={-1: 1.0})
     assert not smol.has_unfinished()
 
 
@@ -186,7 +188,7 @@ def test_spec_construction_errors():
         GuidedSpec("regex")
     with pytest.raises(ValueError, match="guided json_object takes no text"):
         GuidedSpec("json_object", "{}")
-    with pytest.raises(ValueError, match="guided must be a GuidedSpec"):
+    with pytest.raises(ValueError, match="guided: Input should be an instance of GuidedSpec"):
         SamplingParams(guided="json")
     assert GuidedSpec.of("choice", ["a", "b"]) == GuidedSpec("choice", '["a", "b"]')
     validate_guided(GuidedSpec.of("choice", ['say "hi"', "café", "back\\slash"]))

@@ -14,9 +14,7 @@ from typing import Any
 
 import pytest
 
-from pagedq.producer import Client
-from pagedq.producer.cli import main
-from pagedq.producer.dlq import (
+from pagedq.admin.dlq import (
     BODY_CHARS,
     DLQ_ENTRY,
     REQUEUED_FROM,
@@ -26,8 +24,11 @@ from pagedq.producer.dlq import (
     read,
     request_of,
 )
-from pagedq.producer.scripts import req_hash, validate_request
-from pagedq.producer.settings import Settings
+from pagedq.cli import main
+from pagedq.producer import Client
+from pagedq.producer.requests import validate_request
+from pagedq.wire.scripts import req_hash
+from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
 from tests.tiny_service import MODEL
 from tests.worker_proc import ROOT, WorkerProc
@@ -195,7 +196,7 @@ def test_requeue_submits_a_new_job_and_removes_the_entry_once(svc, capsys):
 
 
 def test_requeue_is_idempotent_and_skips_ids_taken_by_other_requests(svc, capsys):
-    # entries laid out as REJECT writes them (producer/lua/reject.lua), on the batch lane
+    # entries laid out as REJECT writes them (wire/lua/reject.lua), on the batch lane
     c, dlq_key = svc.c, svc.c.keys.dlq(MODEL, "batch")
     for job in ("cut", "taken"):
         body = json.dumps({"id": job, "model": MODEL, "lane": "batch", "prompt": "hi",
@@ -240,7 +241,7 @@ def test_requeue_refuses_damaged_entries_and_bad_input(svc, capsys):
 
 
 def test_watch_prints_a_document_per_interval_until_interrupted(svc):
-    p = subprocess.Popen([sys.executable, "-m", "pagedq.producer.cli", "inspect", "--json", "--watch",
+    p = subprocess.Popen([sys.executable, "-m", "pagedq", "inspect", "--json", "--watch",
                           "0.2", "--redis-url", svc.url, "--prefix", PREFIX],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, text=True)
     try:
@@ -253,7 +254,7 @@ def test_watch_prints_a_document_per_interval_until_interrupted(svc):
 
 
 def test_worker_cli_registers_the_admin_commands():
-    from pagedq.worker.cli import build_parser
+    from pagedq.cli import build_parser
     args = build_parser().parse_args(["dlq", "requeue", "--all", "--model", "m", "--prefix", "x"])
     assert (args.all, args.model, args.prefix) == (True, "m", "x")
     assert build_parser().parse_args(["inspect", "--watch"]).watch == 2.0

@@ -3,7 +3,7 @@ its reader thread, and no lower lane is read while a higher one may hold more.""
 from __future__ import annotations
 
 from pagedq.producer import Client, JobRequest
-from pagedq.producer.settings import Settings
+from pagedq.wire.settings import Settings
 from pagedq.worker.intake import BUSY_ADMIT_MAX
 from pagedq.worker.service import Worker
 

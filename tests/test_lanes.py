@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from pagedq.producer.errors import InvalidRequest, Overloaded
-from pagedq.producer.invariants import queue_counters
-from pagedq.producer.keys import GROUP
+from pagedq.wire.errors import InvalidRequest, Overloaded
+from pagedq.wire.invariants import queue_counters
+from pagedq.wire.keys import GROUP
 from pagedq.worker.lanes import engine_priority, floor_seats, rooms
 from tests.tiny_service import MODEL
 
@@ -138,7 +138,7 @@ def test_a_dead_workers_batch_jobs_are_taken_over(svc):
 def test_worker_lane_flags_and_the_submit_cli_lane_and_priority(svc, monkeypatch, capsys):
     """--lanes, --lane-min-share and --scheduling-policy on a real worker; pagedq submit
     --lane/--priority through the CLI onto a lane only this deployment has."""
-    from pagedq.producer.cli import main
+    from pagedq.cli import main
 
     w = svc.worker(extra=["--lanes", "urgent,interactive,batch", "--lane-min-share", "0.5",
                           "--scheduling-policy", "fcfs"])

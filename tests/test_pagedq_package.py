@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import pagedq
 from pagedq.producer import AsyncClient, Client, JobRequest
 from pagedq.producer.submit_params import SUBMIT_FIELDS
@@ -81,3 +83,31 @@ def test_submit_keywords_reach_the_request(redis_server):
     assert (req.presence_penalty, req.frequency_penalty, req.top_k, req.top_p,
             req.temperature, req.seed, req.stop, req.timeout_s) == \
         (0.5, 0.25, 3, 0.9, 0.7, 1, ["\n"], 60)
+
+
+def test_the_wire_and_the_engine_take_the_same_sampling_values():
+    """One declaration (wire/sampling.py): JobRequest has SamplingParams' fields, and each
+    value one of them refuses the other refuses too; the worker's parameters of a request
+    (not validated twice) equal SamplingParams built and checked from the same values."""
+    import dataclasses
+
+    from pagedq.wire.sampling import WIRE_FIELDS, SamplingParams
+    from pagedq.worker.jobs import sampling_params
+
+    names = [f.name for f in dataclasses.fields(SamplingParams)]
+    assert list(WIRE_FIELDS) == names and set(names) <= set(JobRequest.model_fields)
+    for field, bad in (("repetition_penalty", 10.5), ("temperature", 101.0), ("n", 17),
+                       ("max_tokens", 40000), ("stop", [""]), ("stop_token_ids", [-1]),
+                       ("seed", 2**63), ("top_p", 0.0), ("logprobs", 21), ("min_p", 1.5)):
+        with pytest.raises(ValueError):
+            SamplingParams(**{field: bad})
+        with pytest.raises(ValueError):
+            JobRequest(prompt="x", **{field: bad})
+    for body in ({"prompt": "x"}, {"prompt": "x", "stop": "\n", "seed": 2**63 - 1, "n": 3,
+                                   "temperature": 0.5, "logprobs": 2, "min_tokens": 2}):
+        req = JobRequest.model_validate(body)
+        for k in range(req.n):
+            got = sampling_params(req, k)
+            want = {**{n: getattr(req, n) for n in names}, "n": 1,
+                    "seed": None if req.seed is None else (req.seed + k) % 2**63}
+            assert got == SamplingParams(**want), (body, k)

@@ -24,8 +24,8 @@ from pagedq.producer import (
     Settings,
     TokenEvent,
 )
-from pagedq.producer.keys import GROUP, out_entry_id
-from pagedq.producer.schema import final_fields, token_fields
+from pagedq.wire.keys import GROUP, out_entry_id
+from pagedq.wire.schema import final_fields, token_fields
 
 MODEL = "m1"
 

@@ -3,8 +3,8 @@ large batch's deltas, and fencing of a job whose attempt moved on."""
 from __future__ import annotations
 
 from pagedq.producer import Client
-from pagedq.producer.keys import Keys
-from pagedq.producer.settings import Settings
+from pagedq.wire.keys import Keys
+from pagedq.wire.settings import Settings
 from pagedq.worker.publisher import Final, Publisher
 
 

@@ -8,7 +8,7 @@ import urllib.request
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedq.producer.keys import Keys
+from pagedq.wire.keys import Keys
 from pagedq.worker.redis_server import free_port
 from tests.tiny_service import MODEL
 from tests.waiting import until

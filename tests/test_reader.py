@@ -7,13 +7,10 @@ from typing import Any
 
 import pytest
 
-from pagedq.producer.errors import EventsTrimmed, JobNotFound, ResultTimeout
-from pagedq.producer.keys import Keys, out_entry_id
 from pagedq.producer.reader import (
     POLL_S,
     READ_COUNT,
     Backoff,
-    ChoiceReplay,
     Command,
     Exchange,
     Exists,
@@ -24,14 +21,15 @@ from pagedq.producer.reader import (
     Subscribe,
     TextDeltas,
     XRead,
-    entries_of,
     read_mirror,
     read_status,
     read_stream,
-    replay,
     wait_result,
 )
-from pagedq.producer.schema import FinalEvent, JobRecord, TokenEvent, final_fields, token_fields
+from pagedq.wire.errors import EventsTrimmed, JobNotFound, ResultTimeout
+from pagedq.wire.events import ChoiceReplay, entries_of, replay
+from pagedq.wire.keys import Keys, out_entry_id
+from pagedq.wire.schema import FinalEvent, JobRecord, TokenEvent, final_fields, token_fields
 
 KEYS = Keys("t")
 JOB, OUT = KEYS.job("j"), KEYS.out("j")

@@ -89,7 +89,7 @@ def _sandbox(tmp: Path) -> None:
     bin_dir.mkdir(parents=True)
     (bin_dir / "activate").write_text(f'export PATH="{bin_dir}:$PATH"\n')
     pagedq = bin_dir / "pagedq"
-    pagedq.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pagedq.worker.cli "$@"\n')
+    pagedq.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pagedq "$@"\n')
     pagedq.chmod(0o755)
     (tmp / "docs").symlink_to(ROOT / "docs")
 

@@ -13,11 +13,11 @@ import time
 import pytest
 
 from pagedq.producer import Client
-from pagedq.producer.errors import Overloaded
-from pagedq.producer.keys import GROUP
-from pagedq.producer.schema import FinalEvent
-from pagedq.producer.settings import Settings
-from pagedq.worker import lua
+from pagedq.wire import lua
+from pagedq.wire.errors import Overloaded
+from pagedq.wire.keys import GROUP
+from pagedq.wire.schema import FinalEvent
+from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
 from tests.tiny_service import MODEL
 from tests.worker_proc import WorkerProc
@@ -71,7 +71,7 @@ def test_ack_lost_after_result_written_gives_no_second_result(svc):
     r.xreadgroup(GROUP, "ghost", {c.keys.jobs(MODEL): ">"}, count=1)  # a worker took it...
     r.hincrby(c.keys.job(job), "attempt", 1)
     r.hset(c.keys.job(job), "status", "running")
-    finish = r.register_script(lua.FINISH)  # ...wrote its result, then died before XACK
+    finish = r.register_script(lua.source("finish"))  # ...wrote its result, then died before XACK
     finish(keys=[c.keys.job(job), c.keys.out(job), c.keys.jobs(MODEL), c.keys.cancel],
            args=[1, "finished", "length", "ghost text", "", 1, 5, 0, 3600, "", GROUP, job,
                  c.keys.chan(job), time.time(), 1000])
@@ -358,7 +358,8 @@ def test_worker_with_fp8_kv_cache_serves_jobs(svc):
 
 
 def test_worker_noise_seed_is_per_process_unless_given():
-    from pagedq.worker.cli import build_parser, engine_kwargs
+    from pagedq.cli import build_parser
+    from pagedq.worker.cli import engine_kwargs
     seeds = {engine_kwargs(build_parser().parse_args(["worker"]))["seed"] for _ in range(3)}
     assert len(seeds) == 3  # workers never share the unseeded jobs' noise stream
     assert engine_kwargs(build_parser().parse_args(["worker", "--seed", "5"]))["seed"] == 5

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from pagedq.batch import Batches, BatchSettings
 from pagedq.producer import Client
-from pagedq.producer.batch import Batches, BatchSettings
-from pagedq.producer.connection import (
+from pagedq.wire.connection import (
     RedisSetupError,
     RedisUnusable,
     connect,
@@ -31,8 +31,8 @@ from pagedq.producer.connection import (
     redact_url,
     redis_kwargs,
 )
-from pagedq.producer.schema import FinalEvent
-from pagedq.producer.settings import Settings
+from pagedq.wire.schema import FinalEvent
+from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import (
     RedisServer,
     ServerTls,
@@ -140,7 +140,7 @@ def svc(tls, tiny_dir):
 def run_cli(*argv: str, env: dict[str, str], timeout: float = 60.0) -> tuple[int, str, float]:
     """`pagedq ARGV` as a process: (exit code, stdout + stderr, seconds)."""
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "pagedq.worker.cli", *argv], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "pagedq", *argv], capture_output=True,
                        text=True, timeout=timeout, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": ROOT, **env})
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
@@ -192,7 +192,7 @@ def test_cluster_over_tls(tls, tiny_dir):
     import asyncio
 
     from pagedq.producer import AsyncClient
-    from pagedq.producer.keys import partition_of
+    from pagedq.wire.keys import partition_of
     from tests.cluster_fixture import Cluster
 
     p = tls.pki
@@ -247,7 +247,7 @@ def test_batch_through_rq_over_tls(tls, svc, tmp_path):
     name = f"rq-{os.urandom(4).hex()}"
     log = open(tmp_path / "rq.log", "wb")
     rq = subprocess.Popen(
-        [sys.executable, "-m", "pagedq.worker.cli", "--redis-url", tls.url, "batch", "worker",
+        [sys.executable, "-m", "pagedq", "--redis-url", tls.url, "batch", "worker",
          "--prefix", PREFIX, "--name", name], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT, **tls.env, "PAGEDQ_BATCH_DIR": str(batch_dir),
              "PAGEDQ_BATCH_POLL_S": "0.2"})
@@ -289,7 +289,7 @@ def test_plain_tcp_no_client_certificate_and_unknown_ca_are_refused(tls):
         Client(settings=tls.settings(redis_url=plain))
 
     # repeated: the server's certificate-required verdict races the client's first write
-    # (a bare EOF then), which producer/connection.py's diagnose_tls must see through
+    # (a bare EOF then), which wire/connection.py's diagnose_tls must see through
     for over, why in (({"redis_tls_cert": None, "redis_tls_key": None}, "CERTIFICATE_REQUIRED"),
                       ({"redis_tls_ca": str(tls.pki.other_ca)}, "CERTIFICATE_VERIFY_FAILED")):
         for _ in range(5):

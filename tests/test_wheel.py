@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = {"producer", "worker", "engine", "kernels", "gateway"}  # installed as pagedq.<name>
+# installed as pagedq.<name>
+FOLDERS = {"wire", "producer", "batch", "admin", "worker", "engine", "kernels", "gateway"}
 
 
 def _setuptools() -> dict:
@@ -33,7 +34,7 @@ def test_the_package_list_is_every_folder_of_the_tree():
             rel = init.parent.relative_to(ROOT)
             folders.add("pagedq." + ".".join(rel.parts))
     assert set(tool["packages"]) == folders
-    for pkg in ("pagedq", "producer", "engine", "worker"):
+    for pkg in ("pagedq", "wire", "producer", "batch", "engine", "worker"):
         assert (ROOT / pkg / "py.typed").is_file(), pkg
 
 
@@ -62,9 +63,9 @@ def test_the_wheel_holds_pagedq_alone(wheel):
     version = wheel.name.split("-")[1]
     assert tops == {"pagedq", f"pagedq-{version}.dist-info"}, tops
     # every folder's modules and the Lua scripts are inside pagedq/
-    for inside in ("pagedq/producer/lua/finish.lua", "pagedq/engine/llm_engine.py",
+    for inside in ("pagedq/wire/lua/finish.lua", "pagedq/engine/llm_engine.py",
                    "pagedq/kernels/decode_attention.py", "pagedq/worker/cli.py",
-                   "pagedq/gateway/app.py", "pagedq/producer/py.typed"):
+                   "pagedq/gateway/app.py", "pagedq/producer/py.typed", "pagedq/cli.py"):
         assert inside in names, inside
 
 

@@ -1,7 +1,7 @@
 """Property tests of the wire contract through a real redis-server and a real worker process
 (SmolLM2 on the CPU): every documented JobRequest field, valid and invalid, raw entries and
 raw script calls. After each example the queue counters return to zero and their
-invariant (producer/invariants.py) holds."""
+invariant (wire/invariants.py) holds."""
 from __future__ import annotations
 
 import hashlib
@@ -15,12 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedq.producer import Client
-from pagedq.producer.errors import InvalidRequest
-from pagedq.producer.invariants import queue_counters
-from pagedq.producer.keys import GROUP, LANE_RE
-from pagedq.producer.schema import FinalEvent, JobRequest, TokenEvent
-from pagedq.producer.scripts import SUBMIT_LUA, submit_call
+from pagedq.wire.errors import InvalidRequest
+from pagedq.wire.invariants import queue_counters
+from pagedq.wire.keys import GROUP, LANE_RE
+from pagedq.wire.lua import source
+from pagedq.wire.schema import FinalEvent, JobRequest, TokenEvent
+from pagedq.wire.scripts import Submit
 from tests.worker_proc import WorkerProc
+
+SUBMIT_LUA = source("submit")
 
 MODEL = "smollm2"
 LANES = ("interactive", "batch")
@@ -286,18 +289,20 @@ def test_jobs_of_a_batch_count_themselves_on_its_record_as_they_end(svc):
     c.redis.hset(c.keys.batch(bid), "total", 3)  # the batch control plane's record
     ok = [f"{bid}.{i}" for i in range(2)]
     for j in ok:
-        keys, args = submit_call(c.keys, JobRequest(id=j, model=MODEL, prompt="Hi", max_tokens=2,
-                                                    lane="batch"), c.settings, batch=(bid, j))
+        keys, args = Submit(c.keys, JobRequest(id=j, model=MODEL, prompt="Hi", max_tokens=2,
+                                               lane="batch"), c.settings,
+                            batch=(bid, j)).keys_args()
         assert c.redis.eval(SUBMIT_LUA, len(keys), *keys, *args)[0] == "queued"
     bad = f"{bid}.bad"  # reaches the worker, which dead-letters it: failed
-    keys, args = submit_call(c.keys, JobRequest(id=bad, model=MODEL, prompt="Hi", lane="batch"),
-                             c.settings, batch=(bid, bad))
+    keys, args = Submit(c.keys, JobRequest(id=bad, model=MODEL, prompt="Hi", lane="batch"),
+                        c.settings, batch=(bid, bad)).keys_args()
     args[1] = good_body(bad, bogus=1, lane="batch")
     args[2] = hashlib.sha256(args[1].encode()).hexdigest()
     assert c.redis.eval(SUBMIT_LUA, len(keys), *keys, *args)[0] == "queued"
     orphan = f"{gone}.0"  # of a batch whose record is gone (expired): no stub is left
-    keys, args = submit_call(c.keys, JobRequest(id=orphan, model=MODEL, prompt="Hi", max_tokens=2,
-                                                lane="batch"), c.settings, batch=(gone, orphan))
+    keys, args = Submit(c.keys, JobRequest(id=orphan, model=MODEL, prompt="Hi", max_tokens=2,
+                                           lane="batch"), c.settings,
+                        batch=(gone, orphan)).keys_args()
     assert c.redis.eval(SUBMIT_LUA, len(keys), *keys, *args)[0] == "queued"
     assert [c.result(j, timeout=120).status for j in ok + [bad]] == ["finished"] * 2 + ["failed"]
     assert c.result(orphan, timeout=120).status == "finished"

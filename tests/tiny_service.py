@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedq.producer import Client
-from pagedq.producer.settings import Settings
+from pagedq.wire.settings import Settings
 from tests.model_fixtures import make_tiny_model
 from tests.worker_proc import WorkerProc
 

@@ -30,7 +30,7 @@ class WorkerProc:
         self.log_path = tempfile.mktemp(prefix=f"pagedq-{self.worker_id}-", suffix=".log")
 
     def start(self, wait: bool = True, timeout: float = 180.0) -> WorkerProc:
-        cmd = [sys.executable, "-m", "pagedq.worker.cli", "--redis-url", self.redis_url,
+        cmd = [sys.executable, "-m", "pagedq", "--redis-url", self.redis_url,
                "--prefix", self.prefix, "worker", "--model", self.model,
                "--worker-id", self.worker_id, *self.extra]
         small_kv = {} if self.model == "smollm2" else {"PAGEDQ_KV_CACHE_MEMORY_GB":

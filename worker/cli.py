@@ -1,8 +1,6 @@
-"""The `pagedq` console script: worker and demo here, client commands from pagedq.producer.cli.
-Heavy imports (torch, the engine) happen only inside the worker/demo commands.
-
-``--redis-url`` and ``--prefix`` are accepted before or after the subcommand; given in
-both places, the one after the subcommand wins.
+"""`pagedq worker` and `pagedq config` (the root parser: pagedq/cli.py), and the checks of a
+worker's configuration that every command starting one runs (`pagedq demo` too). Heavy
+imports (torch, the engine) happen only inside the worker command.
 
 Exit codes of ``pagedq worker``:
 
@@ -17,7 +15,7 @@ Exit codes of ``pagedq worker``:
  128+N  killed by a second signal N while draining (130: Ctrl-C, 143: SIGTERM);
       130 also for Ctrl-C while the model loads
 
-The client commands' exit codes are listed in producer/cli.py (and in ``pagedq -h``).
+The client commands' exit codes are listed in pagedq/client_cli.py (and in ``pagedq -h``).
 """
 from __future__ import annotations
 
@@ -25,12 +23,22 @@ import argparse
 import os
 import re
 import signal
-import sys
+from collections.abc import Iterable
 
-from pagedq.producer import cli as client_cli
+from pagedq.wire.declared import Declared
+from pagedq.wire.settings import Settings
 from pagedq.worker import fatal
-from pagedq.worker.config import ConfigError, Resolved, resolve
-from pagedq.worker.settings import LOG_LEVELS
+from pagedq.worker.config import (
+    SERVICE_FLAGS,
+    ConfigError,
+    Resolved,
+    flag_default,
+    flag_help,
+    flag_name,
+    plain,
+    resolve,
+)
+from pagedq.worker.settings import ENGINE, PROCESS
 
 EXIT_CLEAN = 0
 # 70: the step watchdog (worker/liveness.py); 71: an unexpected error in a worker thread;
@@ -40,29 +48,14 @@ EXIT_WEDGED, EXIT_THREAD_ERROR, EXIT_CONFIG = fatal.EXIT_WEDGED, fatal.EXIT_FAUL
 WORKER_EXIT_CODES_HELP = "exit codes of `pagedq worker`:\n" + __doc__.split(
     "Exit codes of ``pagedq worker``:\n\n", 1)[1].split("\nThe client commands'", 1)[0]
 
-# Engine options -> EngineConfig field names (their defaults live in engine/config.py,
-# not imported here: building the parser must not import the engine; a test checks them).
-# Every option defaults to None = not given, so that the environment and the config file
-# (worker/config.py) apply underneath it.
-ENGINE_INT_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                      "num_kv_blocks", "block_size", "prefill_wait_steps")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(
-        prog="pagedq", description="Queue-fed LLM generation over Redis.",
-        parents=[client_cli.common_options(after_subcommand=False)],
-        epilog=client_cli.EXIT_CODES_HELP + "\n" + WORKER_EXIT_CODES_HELP, formatter_class=fmt)
-    client_cli.add_version(p)
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    after = [client_cli.common_options(after_subcommand=True)]
-
+def register(sub: argparse._SubParsersAction, parents: Iterable[argparse.ArgumentParser]) -> None:
+    """Add `pagedq worker` and `pagedq config`."""
+    fmt, parents = argparse.RawDescriptionHelpFormatter, list(parents)
     w = sub.add_parser("worker", help="serve generation jobs from the model's jobs stream",
                        description="Serve generation jobs from the model's jobs stream. Each "
                                    "setting: flag > PAGEDQ_<NAME> > --config file > default "
                                    "(docs/configuration.md).",
-                       parents=after, epilog=WORKER_EXIT_CODES_HELP, formatter_class=fmt)
+                       parents=parents, epilog=WORKER_EXIT_CODES_HELP, formatter_class=fmt)
     add_worker_args(w)
     w.set_defaults(func=cmd_worker)
 
@@ -71,129 +64,55 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print every worker setting (service and engine) as `pagedq "
                                    "worker` with the same options would use it, and its source: "
                                    "flag, env, file or default. Exit 78 if it is not valid.",
-                       parents=after, formatter_class=fmt)
+                       parents=parents, formatter_class=fmt)
     add_worker_args(c)
     c.add_argument("--json", action="store_true",
                    help="print one JSON object instead of a table (default: off)")
     c.set_defaults(func=cmd_config)
 
-    d = sub.add_parser("demo", help="embedded Redis + CPU worker + a few streamed jobs",
-                       description="Redis (an embedded redis-server when none answers at "
-                                   "--redis-url) + a worker with the bundled SmolLM2 + a few "
-                                   "chat jobs, streamed into a live view, then a summary. The "
-                                   "demo's Redis keys are removed at exit.",
-                       parents=after)
-    add_engine_args(d)
-    d.add_argument("--jobs", type=int, default=6, help="jobs to submit (default: %(default)s)")
-    d.add_argument("--max-tokens", type=int, default=48,
-                   help="max_tokens of each job (default: %(default)s)")
-    d.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                   help="sampling temperature of each job (default: %(default)s = greedy)")
-    d.add_argument("--plain", action="store_true",
-                   help="plain lines for logs and CI instead of the live view (default: off; "
-                        "on when stdout is not a terminal)")
-    d.add_argument("--keep", action="store_true",
-                   help="keep the demo's Redis keys and the worker's log (default: off)")
-    d.set_defaults(func=cmd_demo)
-
-    client_cli.register(sub, parents=after)
-    from pagedq.gateway.cli import register as register_gateway  # no web framework imported here
-
-    register_gateway(sub, parents=after)
-    return p
-
 
 def add_worker_args(w: argparse.ArgumentParser) -> None:
-    """The options of `pagedq worker` (and of `pagedq config`, which shows their effect)."""
+    """The options of `pagedq worker` (and of `pagedq config`, which shows their effect):
+    one per declared setting that has a flag (worker/settings.py, wire/engine_config.py)
+    and per service flag (worker/config.py SERVICE_FLAGS), every default default None =
+    not given, so that the environment and the config file apply underneath it."""
     w.add_argument("--config", default=None, metavar="FILE",
                    help="YAML file of settings, sections model/scheduler/cache/service; flags "
                         "and PAGEDQ_* variables override it (default: $PAGEDQ_CONFIG or none)")
     add_engine_args(w)
-    w.add_argument("--worker-id", default=None,
-                   help="stable consumer name; a restarted worker with the same id re-reads "
-                        "its own pending jobs (default: <hostname>-<pid>)")
-    w.add_argument("--log-level", default=None, choices=LOG_LEVELS, type=str.lower,
-                   help="log level of the JSON logs on stderr "
-                        "(default: $PAGEDQ_LOG_LEVEL or info)")
-    w.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve Prometheus metrics on this port "
-                        "(default: $PAGEDQ_METRICS_PORT or 0 = off)")
-    w.add_argument("--metrics-host", default=None, metavar="HOST",
-                   help="address the metrics endpoint listens on; 0.0.0.0 = every interface "
-                        "(default: $PAGEDQ_METRICS_HOST or 127.0.0.1)")
-    w.add_argument("--lanes", default=None, metavar="A,B,...",
-                   help="the lanes (jobs streams) to serve, highest first "
-                        "(default: $PAGEDQ_LANES or interactive,batch)")
-    w.add_argument("--prefixes", default=None, metavar="A,B,...",
-                   help="serve the jobs of these tenants' key prefixes, fairly within each "
-                        "lane (default: $PAGEDQ_PREFIXES, else just --prefix)")
-    w.add_argument("--lane-min-share", type=float, default=None, metavar="F",
-                   help="seats each lower lane keeps while it has work, as a share of "
-                        "--max-num-seqs (default: $PAGEDQ_LANE_MIN_SHARE or 0.1)")
+    for d in PROCESS:
+        if d.setting.section == "service":
+            add_flag(w, d)
+    fields = Settings.model_fields
+    for name, metavar in SERVICE_FLAGS.items():
+        f = fields[name]
+        w.add_argument(flag_name(name), dest=name, default=None, metavar=metavar,
+                       type=f.annotation if f.annotation in (int, float) else str,
+                       help=f"{plain(f.description)} (default: {flag_default(f.default)})")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="'smollm2' (bundled), a local HF folder, or a .gguf file "
-                        "(default: $PAGEDQ_MODEL or smollm2)")
-    p.add_argument("--served-name", default=None,
-                   help="jobs stream name for this model (default: the --model value if it "
-                        "is a name, else the folder/file stem)")
-    p.add_argument("--device", default=None,
-                   help="auto, cpu, cuda or cuda:N (default: auto = cuda if available, "
-                        "else cpu)")
-    p.add_argument("--dtype", default=None,
-                   help="auto, float32, bfloat16 or float16 (default: auto = bfloat16 "
-                        "on CUDA, float32 on CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
-                   help="sequences in one engine step (default: 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help="token budget of one engine step, >= --max-num-seqs (default: 2048)")
-    p.add_argument("--prefill-wait-steps", type=int, default=None, metavar="N",
-                   help="decode-only steps a new job may wait so that arrivals are "
-                        "prefilled together (a step that prefills costs more than a decode "
-                        "step) (default: 4 with piecewise CUDA graphs, 16 with decode graphs "
-                        "only (tensor-parallel), else 0)")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="longest sequence, prompt + output (default: the model's context "
-                        "length, lowered to what the KV cache holds)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
-                   help="KV-cache blocks (default: sized from memory)")
-    p.add_argument("--block-size", type=int, default=None, metavar="N",
-                   help="tokens per KV block: 8, 16, 32, 64 or 128 (default: 16)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
-                   help="CUDA: share of the device's memory the engine may use, in (0, 1] "
-                        "(default: 0.9)")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None, metavar="GB",
-                   help="CPU: memory of the KV cache when --num-kv-blocks is not given "
-                        "(default: 1.0)")
-    p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
-                   help="dummy: random weights from config.json alone, for benchmarks "
-                        "(default: auto)")
-    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
-                   help="fp8: float8_e4m3 KV cache, twice the tokens per GiB (accuracy: "
-                        "docs/benchmarks.md) (default: auto = the model dtype)")
-    p.add_argument("--scheduling-policy", default=None, choices=["priority", "fcfs"],
-                   help="priority: higher lanes and priorities go first and may preempt "
-                        "lower ones; fcfs: arrival order (default: priority)")
-    onoff = argparse.BooleanOptionalAction
-    p.add_argument("--enable-chunked-prefill", action=onoff, default=None,
-                   help="split long prompts over several steps (default: on)")
-    p.add_argument("--enable-prefix-caching", action=onoff, default=None,
-                   help="share the KV blocks of common prompt prefixes (default: on)")
-    p.add_argument("--enforce-eager", action=onoff, default=None,
-                   help="no CUDA graphs (default: off)")
-    p.add_argument("--async-scheduling", action=onoff, default=None,
-                   help="schedule step N+1 before step N's tokens reach the host "
-                        "(default: on for CUDA, off on the CPU)")
-    p.add_argument("--use-triton", action=onoff, default=None,
-                   help="Triton kernels (default: on for CUDA; the CPU runs kernels/cpu.py)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="noise seed of jobs without their own seed (default: random per process, "
-                        "so workers never share a noise stream)")
-    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
-                   help="ranks sharing the model, one process and one GPU each (cuda:N.. "
-                        "on --device cuda:N; gloo on cpu) (default: 1)")
+    """The model's and the engine's options (`pagedq worker`, `pagedq demo`)."""
+    for d in (*PROCESS, *ENGINE):
+        if d.setting.section != "service":
+            add_flag(p, d)
+
+
+def add_flag(p: argparse.ArgumentParser, d: Declared) -> None:
+    """``--<name>`` for declared setting ``d`` (a boolean: ``--<name>/--no-<name>``)."""
+    s = d.setting
+    if not s.flag:
+        return
+    kw: dict = {"dest": d.name, "default": None, "help": flag_help(d)}
+    if d.base is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    else:
+        kw["type"] = str.lower if s.lower else d.base
+        if s.flag_choices:
+            kw["choices"] = list(s.choices)
+        elif s.metavar:
+            kw["metavar"] = s.metavar
+    p.add_argument(flag_name(d.name), **kw)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -218,7 +137,7 @@ def check_config(args: argparse.Namespace) -> Resolved:
     be without loading torch; the effective configuration. Raises ConfigError."""
     cfg = resolve(args)
     settings = cfg.service
-    from pagedq.producer.keys import check_name
+    from pagedq.wire.keys import check_name
 
     name_from = cfg.origin("served_name") if cfg.worker.served_name else \
         f"the stem of {cfg.origin('model')} (or give --served-name)"
@@ -228,7 +147,7 @@ def check_config(args: argparse.Namespace) -> Resolved:
             check_name(kind, value)
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
-    from pagedq.producer import connection
+    from pagedq.wire import connection
 
     try:  # the URL parses; password and TLS files readable (connection.redis_kwargs)
         connection.check_offline(settings)
@@ -244,7 +163,7 @@ def check_config(args: argparse.Namespace) -> Resolved:
             raise ConfigError(f"{cfg.origin('metrics_host')} {settings.metrics_host!r}"
                               f" is not an address of this host ({e}); give an IP address "
                               f"such as 127.0.0.1 or 0.0.0.0") from None
-    from pagedq.engine.config import EngineConfig  # dataclasses only: no torch
+    from pagedq.wire.engine_config import EngineConfig  # the engine's own rules, no engine import
 
     try:
         EngineConfig(**cfg.engine_kwargs()).validate()
@@ -300,7 +219,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     logs.configure(cfg.worker.log_level)
     # wrong credentials or TLS set-up: exit 78 now, before the model loads; Redis not
     # answering is no error here (the worker starts and retries)
-    from pagedq.producer import connection
+    from pagedq.wire import connection
 
     try:
         connection.probe(cfg.service)
@@ -344,31 +263,3 @@ def install_signal_handlers(w) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from pagedq.worker.demo import run_demo
-
-    check_model(check_config(args))  # the demo's worker would exit 78 into its log; say it here
-    return run_demo(args)
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # argparse: usage error (2), --help/--version (0)
-        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
-    try:
-        return args.func(args) or 0
-    except ConfigError as e:
-        print(f"pagedq: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `pagedq config | head`: the reader left; stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141  # 128 + SIGPIPE, as a shell reports it
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,10 +5,12 @@
 Settings are named once, flat (``max_num_seqs``): the environment variable is
 PAGEDQ_<NAME upper-cased>, the flag ``--<name with dashes>`` (where a flag exists), the YAML
 key ``<section>.<key>`` of ``sections()`` (the key is the name, except ``model.path`` and
-``scheduler.policy``). The service settings are producer/settings.py's ``Settings`` (its
+``scheduler.policy``). The service settings are wire/settings.py's ``Settings`` (its
 every field but ``model``, which the worker derives from model.path/served_name); the
-process and engine settings are worker/settings.py's ``WorkerSettings``. docs/configuration.md
-lists them all (a test keeps it complete).
+process and engine settings are declared in worker/settings.py and wire/engine_config.py,
+each field with its section, key, help and allowed values, and everything here is made
+from those declarations. docs/configuration.md lists them all (generated:
+worker/config_doc.py).
 
 Anything wrong (a missing, unreadable or non-YAML file, an unknown section or key, a value
 of the wrong type or out of range, from any layer) is a ConfigError whose one-line message
@@ -29,36 +31,22 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
-from pagedq.producer.settings import Settings
+from pagedq.wire.declared import SECTIONS, Declared, allowed, problem
+from pagedq.wire.settings import Settings
 from pagedq.worker.names import served_name
-from pagedq.worker.settings import ENGINE_FIELDS, WorkerSettings
+from pagedq.worker.settings import DECLARED, ENGINE_FIELDS, PROCESS, WorkerSettings
 
 CONFIG_ENV = "PAGEDQ_CONFIG"
 SOURCES = ("flag", "env", "file", "default")  # precedence, highest first
 
-# Settings the worker's command line sets (`--<name-with-dashes>`); the rest are set only
-# by the environment or a file.
-FLAGGED = frozenset({"redis_url", "prefix", "prefixes", "metrics_port", "metrics_host", "lanes",
-                     "lane_min_share", "worker_id", "log_level", "model", "served_name",
-                     *ENGINE_FIELDS})
-
-_ENGINE_SECTIONS: dict[str, dict[str, str]] = {  # section -> YAML key -> setting name
-    "model": {"path": "model", "served_name": "served_name", "device": "device",
-              "dtype": "dtype", "load_format": "load_format", "kv_cache_dtype": "kv_cache_dtype",
-              "max_model_len": "max_model_len",
-              "gpu_memory_utilization": "gpu_memory_utilization",
-              "enforce_eager": "enforce_eager", "use_triton": "use_triton", "seed": "seed",
-              "tensor_parallel_size": "tensor_parallel_size"},
-    "scheduler": {"policy": "scheduling_policy", "max_num_seqs": "max_num_seqs",
-                  "max_num_batched_tokens": "max_num_batched_tokens",
-                  "enable_chunked_prefill": "enable_chunked_prefill",
-                  "async_scheduling": "async_scheduling",
-                  "prefill_wait_steps": "prefill_wait_steps"},
-    "cache": {"block_size": "block_size", "num_kv_blocks": "num_kv_blocks",
-              "kv_cache_memory_gb": "kv_cache_memory_gb",
-              "enable_prefix_caching": "enable_prefix_caching"},
-}
-_PROCESS = ("worker_id", "log_level")  # WorkerSettings fields in the service section
+# The service settings `pagedq worker` has a flag for (the root's --redis-url and --prefix,
+# and these of its own, worker/cli.py); the others are set by the environment or a file.
+COMMON_FLAGS = ("redis_url", "prefix")
+SERVICE_FLAGS = {"metrics_port": "PORT", "metrics_host": "HOST", "lanes": "A,B,...",
+                 "prefixes": "A,B,...", "lane_min_share": "F"}  # name -> the flag's metavar
+# Every setting the worker's command line sets (`--<name-with-dashes>`).
+FLAGGED = frozenset({*COMMON_FLAGS, *SERVICE_FLAGS,
+                     *(d.name for d in DECLARED.values() if d.setting.flag)})
 
 
 class ConfigError(Exception):
@@ -71,10 +59,14 @@ def service_fields() -> list[str]:
 
 
 def sections() -> dict[str, dict[str, str]]:
-    """section -> YAML key -> setting name, for every setting (service ones from Settings,
-    so a field added there is a config setting at once)."""
-    service = {n: n for n in (*service_fields(), *_PROCESS)}
-    return {**_ENGINE_SECTIONS, "service": service}
+    """section -> YAML key -> setting name, for every setting: the declared ones in their
+    sections (wire/declared.py), then every field of Settings in ``service`` (so a field
+    added there is a config setting at once)."""
+    out: dict[str, dict[str, str]] = {sec: {} for sec in SECTIONS}
+    out["service"].update({n: n for n in service_fields()})
+    for d in DECLARED.values():
+        out[d.setting.section][d.key] = d.name
+    return out
 
 
 def yaml_keys() -> dict[str, str]:
@@ -88,6 +80,34 @@ def env_name(name: str) -> str:
 
 def flag_name(name: str) -> str | None:
     return "--" + name.replace("_", "-") if name in FLAGGED else None
+
+
+def plain(text: str | None) -> str:
+    """A declared help (Markdown) as plain text for a terminal."""
+    return (text or "").replace("`", "")
+
+
+def flag_default(value: Any) -> str:
+    """A default as a flag's help says it."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple | list):
+        return ",".join(map(str, value)) if value else "none"
+    return "none" if value is None else str(value)
+
+
+def flag_help(d: Declared) -> str:
+    """A declared setting's flag help: what it is, what it takes (unless argparse lists the
+    choices), its default and what that default means."""
+    s, default = d.setting, d.worker_default
+    text = plain(s.help)
+    if (what := allowed(d)) and not s.flag_choices:
+        text += f"; {'one of ' if s.choices else ''}{plain(what)}"
+    if default is None:
+        shown = s.default_help or "none"
+    else:
+        shown = flag_default(default) + (f" = {s.default_help}" if s.default_help else "")
+    return f"{text} (default: {plain(shown)})"
 
 
 def flag_argv(args: argparse.Namespace, skip: frozenset[str] = frozenset()) -> list[str]:
@@ -208,14 +228,17 @@ class Resolved:
     def explain(self, msg: str) -> str:
         """An engine message in the user's words, one line: each engine setting named in it
         becomes the flag, variable or file key that set it (a default: its flag and value)."""
-        def name(m: re.Match) -> str:
-            n = m[1]
+        def said(n: str) -> str:
             if self.sources.get(n, "default") != "default":
                 return self.origin(n)
             return f"{flag_name(n)} (default {self.value(n)})"
 
-        return " ".join(_ENGINE_NAME.sub(name, msg).split())
-
+        # a declared setting's own check names it first (wire/declared.py), "seed" too
+        head, sep, rest = msg.partition(" must ")
+        lead = ""
+        if sep and head in ENGINE_FIELDS:
+            lead, msg = f"{said(head)} must ", rest
+        return " ".join((lead + _ENGINE_NAME.sub(lambda m: said(m[1]), msg)).split())
 
 def origin(name: str, source: str, file: str | None) -> str:
     """How the user named a setting: the flag, PAGEDQ_<NAME>, or the file's key."""
@@ -257,6 +280,9 @@ def resolve(args: argparse.Namespace | None = None) -> Resolved:
     service = build(Settings, service_fields(), {"model": served})
     if errors:
         raise ConfigError("bad setting: " + "; ".join(errors))
+    for d in PROCESS:  # the engine's are checked with its rules between settings (check_config)
+        if (why := problem(d, getattr(worker, d.name))) is not None:
+            raise ConfigError(origin(d.name, sources[d.name], path) + why[len(d.name):])
     return Resolved(service, worker, path, sources)
 
 

@@ -2,8 +2,8 @@
 answers there (the demo on a fresh machine)."""
 from __future__ import annotations
 
-from pagedq.producer.connection import probe
-from pagedq.producer.settings import Settings
+from pagedq.wire.connection import probe
+from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
 
 

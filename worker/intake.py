@@ -27,15 +27,17 @@ import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from enum import StrEnum
 
 import redis
 
-from pagedq.producer import worker_scripts
-from pagedq.producer.keys import GROUP, Keys
-from pagedq.producer.reader import replay
-from pagedq.producer.schema import FinishReason, JobRequest, Status
-from pagedq.producer.worker_scripts import Started
-from pagedq.worker import faults, lanes, lua, tenants
+from pagedq.wire import script
+from pagedq.wire.events import replay
+from pagedq.wire.keys import GROUP, Keys
+from pagedq.wire.schema import FinishReason, JobRequest, Status
+from pagedq.wire.worker_scripts import NAMES as WORKER_SCRIPTS
+from pagedq.wire.worker_scripts import Reject, Start, Started, StartKind
+from pagedq.worker import faults, lanes, tenants
 from pagedq.worker.jobs import BadEntry, Job, WorkerIdentity, parse_entry, sampling_params
 from pagedq.worker.metrics import Metrics
 from pagedq.worker.pacing import StepPacer
@@ -53,17 +55,24 @@ CLUSTER_IDLE_BLOCK_MS = 100  # on a cluster: one key space's block, between full
 BUSY_ADMIT_MAX = 32
 
 
+class Read(StrEnum):
+    """Where an entry read is on its way to admission."""
+
+    deleted = "deleted"  # no fields left: ack it
+    bad = "bad"  # dead-letter it (``error``)
+    running = "running"  # already this worker's: nothing to do
+    parsed = "parsed"  # ``req``; START is next
+    started = "started"  # START made this worker its owner (``started``)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EntryRead:
-    """An entry read, on its way to admission: ``kind`` is "deleted" (no fields left: ack
-    it), "bad" (dead-letter it: ``error``), "running" (already this worker's: nothing to
-    do), "parsed" (``req``; START is next) or "started" (START made this worker its owner:
-    ``started``)."""
+    """An entry read, on its way to admission (``kind``)."""
     keys: Keys
     lane: str
     entry_id: str
     fields: dict[str, str] | None
-    kind: str
+    kind: Read
     req: JobRequest | None = None
     started: Started | None = None
     error: str = ""
@@ -81,8 +90,6 @@ class Intake:
         self.model, self.worker_id = ident.model, ident.worker_id
         self.engine, self.publisher, self.metrics, self.pacer = engine, publisher, metrics, pacer
         self.jobs, self.end_job, self.log = jobs, end_job, log
-        self._start = lua.Script(self.r, lua.START)
-        self._reject = lua.Script(self.r, lua.REJECT)
         self.round_trips = 0  # Redis round trips of the engine thread (bench/service.py)
         self.read_round_trips = 0  # of the reader thread (busy reads), the only writer
         # A busy worker's reads, and the START of what they read, run here, one read at a
@@ -228,7 +235,7 @@ class Intake:
                                                for _, f in es if f])
         reads = [self._parse(k, lane, entry_id, fields)
                  for k, entries in taken.items() for entry_id, fields in entries]
-        parsed = [i for i, e in enumerate(reads) if e.kind == "parsed"]
+        parsed = [i for i, e in enumerate(reads) if e.kind is Read.parsed]
         for i, reply in zip(parsed, self._start_many([reads[i] for i in parsed]), strict=True):
             reads[i] = self._started(reads[i], reply)
         return lane, take, room, reads
@@ -296,7 +303,7 @@ class Intake:
                deliveries: int) -> None:
         """Parse, START and start one entry, all on the engine thread."""
         e = self._parse(keys, lane, entry_id, fields)
-        if e.kind == "parsed":
+        if e.kind is Read.parsed:
             self.round_trips += 1
             e = self._started(e, self._start_reply(e))
         self._admit_read(e, deliveries)
@@ -306,68 +313,70 @@ class Intake:
         """Admission's first step, on either thread: the entry's request, or why it has
         none."""
         if not fields:  # its data was deleted from the stream: nothing to run
-            return EntryRead(keys, lane, entry_id, fields, "deleted")
+            return EntryRead(keys, lane, entry_id, fields, Read.deleted)
         try:
             req = parse_entry(fields, self.model, lane)
         except BadEntry as e:
-            return EntryRead(keys, lane, entry_id, fields, "bad", error=str(e),
+            return EntryRead(keys, lane, entry_id, fields, Read.bad, error=str(e),
                              job_id=e.job_id)
         # already running here (claimed back by our refresh). On the reader thread this
         # reads the engine thread's dict: a membership test, and while a read is under way
         # the engine thread adds no job that could be in it (no reclaim meanwhile)
         if keys.job(fields["job"]) in self.jobs:
-            return EntryRead(keys, lane, entry_id, fields, "running")
-        return EntryRead(keys, lane, entry_id, fields, "parsed", req=req)
+            return EntryRead(keys, lane, entry_id, fields, Read.running)
+        return EntryRead(keys, lane, entry_id, fields, Read.parsed, req=req)
 
-    def _start_call(self, e: EntryRead) -> worker_scripts.Call:
-        return worker_scripts.start(e.keys, e.fields["job"], self.model, e.lane,
-                                    self.worker_id, self.s.max_deliveries)
+    def _start_call(self, e: EntryRead) -> Start:
+        return Start(e.keys, e.fields["job"], self.model, e.lane, self.worker_id,
+                     self.s.max_deliveries)
 
-    def _start_reply(self, e: EntryRead):
+    def _start_reply(self, e: EntryRead) -> Started | redis.ResponseError:
         try:
-            return self._start(*self._start_call(e))
+            return script.run(self.r, self._start_call(e))
         except redis.ResponseError as err:  # e.g. WRONGTYPE: a hostile write to the job's keys
             return err
 
     def _start_many(self, parsed: list[EntryRead]) -> list:
-        """START for each entry, in one pipelined round trip (the reader thread's): the
-        replies, a ResponseError where Redis refused one."""
+        """START for each entry, in one pipelined round trip (the reader thread's): each
+        one's Started, a ResponseError where Redis refused one."""
         todo, replies = list(range(len(parsed))), [None] * len(parsed)
         while todo:
             self.read_round_trips += 1
             pipe = self.r.pipeline(transaction=False)
-            for i in todo:
-                self._start(*self._start_call(parsed[i]), client=pipe)
+            calls = [self._start_call(parsed[i]) for i in todo]
+            for call in calls:
+                script.queue(pipe, call)
             res = pipe.execute(raise_on_error=False)
-            if (down := lua.failed(res)) is not None:
-                raise down
-            for i, x in zip(todo, res, strict=True):
+            script.raise_retryable(res)
+            for i, x in zip(todo, script.results(calls, res), strict=True):
                 replies[i] = x
             # Redis lost its script cache: load it, send those again (none of them ran)
             todo = [i for i, x in zip(todo, res, strict=True)
                     if isinstance(x, redis.exceptions.NoScriptError)]
             if todo:
-                lua.load_all(self.r)
+                script.load(self.r, WORKER_SCRIPTS)
         return replies
 
     @staticmethod
-    def _started(e: EntryRead, reply) -> EntryRead:
+    def _started(e: EntryRead, reply: Started | Exception) -> EntryRead:
         """``e`` with START's ``reply`` (a ResponseError where Redis refused the job's keys:
-        the entry is dead-lettered)."""
+        the entry is dead-lettered; any other error is a fault)."""
         if isinstance(reply, redis.ResponseError):
-            return dataclasses.replace(e, kind="bad", job_id=e.fields["job"],
+            return dataclasses.replace(e, kind=Read.bad, job_id=e.fields["job"],
                                        error=f"redis refused the job's keys: {reply}")
-        return dataclasses.replace(e, kind="started", started=Started.parse(reply))
+        if isinstance(reply, Exception):
+            raise reply
+        return dataclasses.replace(e, kind=Read.started, started=reply)
 
     def _admit_read(self, e: EntryRead, deliveries: int) -> None:
         """The second half of admission, on the engine thread. Whatever the entry holds, it
         is admitted or dead-lettered: it never raises out of here."""
-        if e.kind == "deleted":
+        if e.kind is Read.deleted:
             self._ack_del(e.keys, e.lane, e.entry_id)
-        elif e.kind == "bad":
+        elif e.kind is Read.bad:
             self._reject_entry(e.keys, e.lane, e.entry_id, e.fields, e.error, e.job_id,
                                deliveries)
-        elif e.kind == "started":
+        elif e.kind is Read.started:
             try:
                 self._start_job(e.keys, e.lane, e.entry_id, e.fields, e.req, deliveries,
                                 e.started)
@@ -381,12 +390,12 @@ class Intake:
         job_id = fields["job"]
         faults.maybe_raise("intake", [job_id])
         jlog = self.log.bind(job_id=job_id, prefix=keys.prefix)
-        if res.kind == "poison":
+        if res.kind is StartKind.poison:
             self._reject_entry(keys, lane, entry_id, fields, f"poison job: started "
                                f"{res.attempts} times without a result (max_deliveries="
                                f"{self.s.max_deliveries})", job_id, deliveries)
             return
-        if res.kind != "ok":
+        if res.kind is not StartKind.ok:
             jlog.info("job_skipped", status=res.status)
             self._ack_del(keys, lane, entry_id)
             return
@@ -462,7 +471,7 @@ class Intake:
 
     def _replay_events(self, job: Job) -> int:
         """A reclaimed job continues after the tokens its earlier attempts published;
-        returns the next event index (producer/reader.py ``replay``)."""
+        returns the next event index (wire/events.py ``replay``)."""
         if job.attempt <= 1:
             return 0
         replayed, next_index = replay(self.r.xrange(job.keys.out(job.job_id)),
@@ -481,10 +490,9 @@ class Intake:
         # bytes, as they came: hiredis packs str arguments as strict UTF-8, and a body that
         # is not UTF-8 arrives here with surrogate escapes (see Worker's connection)
         body = str(fields.get("body", fields))[:DLQ_BODY_CHARS].encode("utf-8", "surrogateescape")
-        self._reject(*worker_scripts.reject(keys, self.model, lane, entry_id,
-                                            reason[:DLQ_BODY_CHARS], job_id or "", body,
-                                            time.time(), self.s.result_ttl_s, deliveries,
-                                            self.s.dlq_ttl_s))
+        script.run(self.r, Reject(keys, self.model, lane, entry_id, reason[:DLQ_BODY_CHARS],
+                                  job_id or "", body, time.time(), self.s.result_ttl_s,
+                                  deliveries, self.s.dlq_ttl_s))
         if job_id:
             self.jobs.pop(keys.job(job_id), None)
         self.metrics.finished.labels(Status.failed).inc()

@@ -15,11 +15,12 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
+from pagedq.engine.outputs import FinishReason as EngineReason
 from pagedq.engine.sampling_params import SamplingParams
-from pagedq.producer.connection import is_cluster
-from pagedq.producer.keys import JOB_ID_RE, Keys
-from pagedq.producer.schema import FinishReason, JobRequest, clean_logprob, describe
-from pagedq.producer.settings import Settings
+from pagedq.wire.connection import is_cluster
+from pagedq.wire.keys import JOB_ID_RE, Keys
+from pagedq.wire.schema import FinishReason, JobRequest, clean_logprob, describe
+from pagedq.wire.settings import Settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +75,7 @@ class ChoiceState:
     text: io.StringIO = field(default_factory=io.StringIO)
     num_tokens: int = 0  # resumed + generated
     resumed_ids: list[int] = field(default_factory=list)  # replayed from an earlier attempt
-    finish_reason: str | None = None
+    finish_reason: FinishReason | str | None = None  # a replayed one: as an attempt wrote it
 
 
 @dataclass(slots=True)
@@ -125,7 +126,7 @@ class Job:
     def text(self) -> str:
         return self.choices[0].text.getvalue()
 
-    def finish_reason(self) -> str:
+    def finish_reason(self) -> FinishReason:
         return self.choices[0].finish_reason or FinishReason.stop
 
     def choices_json(self) -> list[dict[str, Any]] | None:
@@ -134,6 +135,17 @@ class Job:
             return None
         return [{"index": k, "text": c.text.getvalue(), "finish_reason": c.finish_reason or "",
                  "completion_tokens": c.num_tokens} for k, c in enumerate(self.choices)]
+
+
+# the engine's reasons (engine/outputs.py) as the wire's: the same words, and an aborted
+# request (never reported by the engine's step) would be a cancelled one
+_WIRE_REASON = {EngineReason.stop: FinishReason.stop, EngineReason.length: FinishReason.length,
+                EngineReason.abort: FinishReason.cancelled}
+
+
+def finish_reason_of(engine_reason: EngineReason | None) -> FinishReason:
+    """The wire's finish reason of an engine request that ended (stop when unsaid)."""
+    return _WIRE_REASON.get(engine_reason, FinishReason.stop)
 
 
 def split_request_id(rid: str) -> tuple[str, int]:
@@ -183,15 +195,11 @@ def parse_entry(fields: dict[str, str], model: str, lane: str) -> JobRequest:
 
 
 def sampling_params(req: JobRequest, choice: int = 0) -> SamplingParams:
-    """Engine parameters of one choice: choice k of a seeded job draws from seed + k."""
+    """Engine parameters of one choice: the request's sampling fields (one declaration,
+    wire/sampling.py; validated with the request), each choice an engine request of its own
+    (n = 1), and choice k of a seeded job drawing from seed + k."""
     seed = None if req.seed is None else (req.seed + choice) % 2**63
-    return SamplingParams(
-        max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-        top_k=req.top_k, min_p=req.min_p, seed=seed,
-        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, stop=list(req.stop),
-        stop_token_ids=list(req.stop_token_ids), min_tokens=req.min_tokens,
-        ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+    return SamplingParams.of_request(req, n=1, seed=seed)
 
 
 def logprobs_json(lps: list[Any], token_text) -> list[dict[str, Any]]:

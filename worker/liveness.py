@@ -14,9 +14,10 @@ from collections.abc import Callable
 import redis
 import structlog
 
-from pagedq.producer import worker_scripts
-from pagedq.producer.keys import GROUP, Keys
-from pagedq.worker import fatal, faults, lua
+from pagedq.wire import script
+from pagedq.wire.keys import GROUP, Keys
+from pagedq.wire.worker_scripts import Refresh
+from pagedq.worker import fatal, faults
 from pagedq.worker.jobs import Job, WorkerIdentity
 from pagedq.worker.metrics import Metrics
 from pagedq.worker.publisher import Publisher
@@ -38,7 +39,6 @@ class Heartbeat:
     def __init__(self, ident: WorkerIdentity, publisher: Publisher, *, device: str = "",
                  max_num_seqs: int = 0) -> None:
         self.ident, self.publisher = ident, publisher
-        self._refresh = lua.Script(ident.r, lua.REFRESH)
         self._static = {"device": device, "max_num_seqs": max_num_seqs,
                         "started_at": f"{time.time():.3f}"}
 
@@ -64,8 +64,7 @@ class Heartbeat:
                 state = {"model": ident.model, "running": len(jobs), "at": f"{now:.3f}",
                          "kv_usage": f"{kv_usage:.4f}", **self._static,
                          "jobs": ",".join(mine[:HEARTBEAT_JOB_IDS])}
-            refresh = [worker_scripts.refresh(keys, ident.stream(lane, keys), ident.worker_id,
-                                              owned[keys, lane])
+            refresh = [Refresh(keys, ident.stream(lane, keys), ident.worker_id, owned[keys, lane])
                        for lane in ident.lanes if (keys, lane) in owned]
             writes.append((keys, state, refresh))
 
@@ -82,7 +81,7 @@ class Heartbeat:
                 pipe.sadd(keys.models, ident.model)
                 pipe.zremrangebyscore(serving, "-inf", prune_before)
                 for call in refresh:
-                    self._refresh(*call, client=pipe)
+                    script.queue(pipe, call)
 
         self.publisher.call(write)
 

@@ -29,29 +29,34 @@ from typing import Any
 import redis
 import structlog
 
-from pagedq.producer import worker_scripts
-from pagedq.producer.connection import RETRYABLE, is_cluster
-from pagedq.producer.keys import Keys
-from pagedq.producer.settings import Settings
-from pagedq.worker import fatal, faults, lua
+from pagedq.wire import script, worker_scripts
+from pagedq.wire.connection import RETRYABLE, is_cluster
+from pagedq.wire.keys import Keys
+from pagedq.wire.schema import FinishReason, Status
+from pagedq.wire.settings import Settings
+from pagedq.wire.worker_scripts import Verdict
+from pagedq.worker import fatal, faults
 
 log = structlog.get_logger("pagedq.publisher")
 
 
 @dataclass(slots=True)
 class Final:
+    """A job's end: its FINISH call's inputs (the publisher adds the event index, the time,
+    the TTL), and who hears the script's verdict (the verdict, or the error's text)."""
+
     keys: Keys  # the job's tenant's
     job_id: str
     attempt: int
     entry_id: str
     stream: str  # the jobs stream (lane) holding the job's entry
-    status: str
-    finish_reason: str
+    status: Status
+    finish_reason: FinishReason
     text: str
     error: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    on_done: Callable[[str], None] | None = None  # receives the script's verdict
+    on_done: Callable[[Verdict | str], None] | None = None
     choices: list[dict[str, Any]] | None = None  # n > 1 only
 
     @property
@@ -59,11 +64,52 @@ class Final:
         return self.keys.job(self.job_id)
 
 
-# What the engine loop hands over per (job, choice) and step:
-# (job uid, attempt, choice or None when n == 1, delta, token_ids, logprobs or None,
-#  finish_reason when this step ended the choice else None). A job's uid is its record's
-# key (worker/jobs.py Job.uid); ``register`` told the thread whose keys and id it is.
-TokenDelta = tuple[str, int, "int | None", str, list[int], "list[Any] | None", "str | None"]
+# What the engine loop hands over per (job, choice) and step, a plain tuple (one per running
+# job and step: the hot path): (job uid, attempt, choice or None when n == 1, delta,
+# token_ids, logprobs or None, finish_reason when this step ended the choice else None). A
+# job's uid is its record's key (worker/jobs.py Job.uid); ``register`` told the thread whose
+# keys and id it is.
+TokenDelta = tuple[str, int, "int | None", str, list[int], "list[Any] | None",
+                   "FinishReason | None"]
+
+
+# ---- what the engine loop queues for the thread: one message per call of Publisher ------
+
+@dataclass(slots=True, frozen=True)
+class _Register:
+    keys: Keys
+    job_id: str
+    attempt: int
+    next_index: int
+
+
+@dataclass(slots=True, frozen=True)
+class _Tokens:
+    batch: list[TokenDelta]
+    urgent: bool  # holds a first token someone waits for: never held back
+
+
+@dataclass(slots=True, frozen=True)
+class _Call:
+    fn: Callable[[redis.client.Pipeline], None]
+
+
+@dataclass(slots=True, frozen=True)
+class _CancelCheck:
+    uids: list[str]
+
+
+@dataclass(slots=True, frozen=True)
+class _Flush:
+    done: threading.Event
+
+
+@dataclass(slots=True, frozen=True)
+class _Wake:
+    """Nothing to do: wakes the thread so that it sees it must stop."""
+
+
+Message = _Register | _Tokens | Final | _Call | _CancelCheck | _Flush | _Wake
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,7 +131,7 @@ class _Pending:
     delta: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     lp: list[Any] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 class Publisher:
@@ -96,8 +142,6 @@ class Publisher:
     def __init__(self, r: redis.Redis, settings: Settings) -> None:
         self.r, self.s = r, settings
         self._per_slot = is_cluster(r)  # one PUBLISH call per key space, not one per round
-        self._publish = lua.Script(r, lua.PUBLISH)
-        self._finish = lua.Script(r, lua.FINISH)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         # owned by the publisher thread, by uid: the next event index, whose job it is
         self._next_index: dict[str, int] = {}
@@ -120,45 +164,45 @@ class Publisher:
         return self
 
     def register(self, keys: Keys, job_id: str, attempt: int, next_index: int) -> None:
-        self._q.put(("reg", keys, job_id, attempt, next_index))
+        self._q.put(_Register(keys, job_id, attempt, next_index))
 
     def tokens(self, batch: list[TokenDelta], urgent: bool = False) -> None:
         """One TokenDelta for every (job, choice) with new tokens this step. ``urgent``:
         the batch holds a first token someone waits for (an interactive job's): it is
         never held back for coalescing."""
         if batch:
-            self._q.put(("tok", batch, urgent))
+            self._q.put(_Tokens(batch, urgent))
 
     def final(self, f: Final) -> None:
-        self._q.put(("fin", f))
+        self._q.put(f)
 
     def call(self, fn: Callable[[redis.client.Pipeline], None]) -> None:
         """Run ``fn(pipeline)`` in the next round trip (heartbeats, lease refresh)."""
-        self._q.put(("call", fn))
+        self._q.put(_Call(fn))
 
     def check_cancels(self, uids: list[str]) -> None:
         if uids:
-            self._q.put(("cancel?", uids))
+            self._q.put(_CancelCheck(uids))
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Block until everything queued so far is written."""
         ev = threading.Event()
-        self._q.put(("flush", ev))
+        self._q.put(_Flush(ev))
         return ev.wait(timeout)
 
     def stop(self, timeout: float = 30.0) -> None:
         self.flush(timeout)
         self._stop.set()
-        self._q.put(("noop",))
+        self._q.put(_Wake())
         self._thread.join(timeout)
 
     # ---- the thread -------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            items = [self._q.get()]
+            items: list[Message] = [self._q.get()]
             first = items[0]
-            if (self.s.coalesce_ms > 0 and first[0] == "tok" and not first[2]
-                    and len(first[1]) >= self.s.coalesce_min_batch):
+            if (self.s.coalesce_ms > 0 and isinstance(first, _Tokens) and not first.urgent
+                    and len(first.batch) >= self.s.coalesce_min_batch):
                 # a large batch: hold its deltas a few ms so the next steps' merge into
                 # the same events (fewer, larger events; bounded added latency)
                 time.sleep(self.s.coalesce_ms / 1000.0)
@@ -170,54 +214,55 @@ class Publisher:
             self._round(items)
         self.cpu_s = time.thread_time()
 
-    def _round(self, items: list[tuple]) -> None:
+    def _round(self, items: list[Message]) -> None:
         pending: dict[tuple[str, int | None], _Pending] = {}
-        # token flushes ((job, choice), its _Pending: an attempt's own, when a job's attempt
-        # changes within the round) and finals, in arrival order
-        order: list[tuple[str, Any]] = []
+        # token flushes ((job, choice) and its _Pending: an attempt's own, when a job's
+        # attempt changes within the round) and finals, in arrival order
+        order: list[tuple[tuple[str, int | None], _Pending] | Final] = []
         calls, cancel_ids, flushes = [], [], []
         for it in items:
-            kind = it[0]
-            if kind == "reg":
-                uid = it[1].job(it[2])
-                self._next_index[uid] = it[4]
-                self._owner[uid] = _Owner(it[1], it[2], worker_scripts.event_keys(it[1], it[2]),
-                                          it[1].cancel)
-                self._attempt[uid] = it[3]
-            elif kind == "tok":
-                for job_id, attempt, choice, delta, ids, lp, fr in it[1]:
+            if isinstance(it, _Tokens):
+                for job_id, attempt, choice, delta, ids, lp, fr in it.batch:
                     key = (job_id, choice)
                     p = pending.get(key)
                     if p is None or p.attempt != attempt:
                         p = pending[key] = _Pending(attempt, choice)
-                        order.append(("tok", (key, p)))
+                        order.append((key, p))
                     p.delta.append(delta)
                     p.ids.extend(ids)
                     if lp is not None:
                         p.lp.extend(lp)
                     if fr is not None:
                         p.finish_reason = fr
-            elif kind == "fin":
-                order.append(("fin", it[1]))
-            elif kind == "call":
-                calls.append(it[1])
-            elif kind == "cancel?":
-                cancel_ids = it[1]
-            elif kind == "flush":
-                flushes.append(it[1])
+            elif isinstance(it, _Register):
+                uid = it.keys.job(it.job_id)
+                self._next_index[uid] = it.next_index
+                self._owner[uid] = _Owner(it.keys, it.job_id,
+                                          worker_scripts.event_keys(it.keys, it.job_id),
+                                          it.keys.cancel)
+                self._attempt[uid] = it.attempt
+            elif isinstance(it, Final):
+                order.append(it)
+            elif isinstance(it, _Call):
+                calls.append(it.fn)
+            elif isinstance(it, _CancelCheck):
+                cancel_ids = it.uids
+            elif isinstance(it, _Flush):
+                flushes.append(it.done)
         if order or calls or cancel_ids:
             self._write(pending, order, calls, cancel_ids)
         for ev in flushes:
             ev.set()
 
-    def _write(self, pending: dict[str, _Pending], order: list[tuple[str, Any]],
+    def _write(self, pending: dict[tuple[str, int | None], _Pending],
+               order: list[tuple[tuple[str, int | None], _Pending] | Final],
                calls: list, cancel_ids: list[str]) -> None:
         # PUBLISH calls: one, or one per key space on a cluster; each with the job uid and
         # attempt of each of its events, in add order
         pubs: dict[str, tuple[worker_scripts.Publish, list[tuple[str, int]]]] = {}
         finals: list[Final] = []
-        for kind, obj in order:
-            if kind == "tok":
+        for obj in order:
+            if not isinstance(obj, Final):
                 (uid, _choice), p = obj
                 owner = self._owner.get(uid)
                 if owner is None or p.attempt != self._attempt.get(uid):
@@ -244,25 +289,26 @@ class Publisher:
         backoff = 0.05
         while True:
             try:
+                now = time.time()
+                finishes = [worker_scripts.Finish(
+                    f.keys, f.job_id, f.stream, f.entry_id, f.attempt, f.status, f.finish_reason,
+                    f.text, f.error, f.prompt_tokens, f.completion_tokens,
+                    self._next_index.get(f.uid, 0), now, self.s.result_ttl_s, self.s.out_maxlen,
+                    f.choices) for f in finals]
                 pipe = self.r.pipeline(transaction=False)
                 for pub, _ in pubs.values():
-                    self._publish(*pub.call, client=pipe)
-                for f in finals:
-                    self._finish(*worker_scripts.finish(
-                        f.keys, f.job_id, f.stream, f.entry_id, f.attempt, f.status,
-                        f.finish_reason, f.text, f.error, f.prompt_tokens, f.completion_tokens,
-                        self._next_index.get(f.uid, 0), time.time(), self.s.result_ttl_s,
-                        self.s.out_maxlen, f.choices), client=pipe)
+                    script.queue(pipe, pub)
+                for call in finishes:
+                    script.queue(pipe, call)
                 for fn in calls:
                     fn(pipe)
                 for cancel_set, jobs in asks.items():
                     pipe.smismember(cancel_set, [job_id for _, job_id in jobs])
                 res = pipe.execute(raise_on_error=False)
-                if lua.noscript(res):  # Redis lost its script cache: load, send it all again
-                    lua.load_all(self.r)
+                if script.noscript(res):  # Redis lost its script cache: load, send it all again
+                    script.load(self.r, worker_scripts.NAMES)
                     continue
-                if (down := lua.failed(res)) is not None:
-                    raise down
+                script.raise_retryable(res)
                 break
             except RETRYABLE as e:
                 self.errors += 1
@@ -277,9 +323,10 @@ class Publisher:
         base = len(pubs)
         for (pub, published), reply in zip(pubs.values(), res, strict=False):
             if isinstance(reply, list):
-                for pos in pub.lost(reply):
+                for pos in pub.parse(reply):
                     self.lost.put(published[pos])
-        for f, verdict in zip(finals, res[base:base + len(finals)], strict=True):
+        for f, verdict in zip(finals, script.results(finishes, res[base:base + len(finals)]),
+                              strict=True):
             if self._attempt.get(f.uid) == f.attempt:  # (else a newer attempt runs here)
                 self._next_index.pop(f.uid, None)
                 self._owner.pop(f.uid, None)

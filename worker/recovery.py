@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import redis
 
-from pagedq.producer import worker_scripts
-from pagedq.producer.keys import GROUP
-from pagedq.worker import lua
+from pagedq.wire import script, worker_scripts
+from pagedq.wire.keys import GROUP
 
 
 @dataclass(slots=True)
@@ -56,7 +55,6 @@ class UnservedSweep:
 
     def __init__(self, ident, log) -> None:
         self.ident, self.log = ident, log
-        self._script = lua.Script(ident.r, lua.EXPIRE_UNSERVED)
 
     def run(self) -> None:
         r, s = self.ident.r, self.ident.settings
@@ -73,13 +71,12 @@ class UnservedSweep:
         for _ in range(2):  # a second time after loading the scripts (Redis lost its cache)
             pipe = r.pipeline(transaction=False)
             for keys, model, lane in targets:
-                call = worker_scripts.expire_unserved(keys, model, lane, s.unserved_timeout_s,
-                                                      s.result_ttl_s, 1000)
-                self._script(*call, client=pipe)
+                script.queue(pipe, worker_scripts.ExpireUnserved(
+                    keys, model, lane, s.unserved_timeout_s, s.result_ttl_s, 1000))
             results = pipe.execute(raise_on_error=False)
-            if not lua.noscript(results):
+            if not script.noscript(results):
                 break
-            lua.load_all(r)
+            script.load(r, worker_scripts.NAMES)
         for (keys, model, lane), n in zip(targets, results, strict=True):
             if isinstance(n, Exception):
                 self.log.warning("expire_unserved_failed", prefix=keys.prefix, model=model,

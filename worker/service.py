@@ -18,16 +18,23 @@ import redis
 import structlog
 
 from pagedq.engine.llm_engine import LLMEngine
-from pagedq.producer import connection
-from pagedq.producer.connection import RETRYABLE
-from pagedq.producer.keys import GROUP, Keys
-from pagedq.producer.schema import FinishReason, Status
-from pagedq.producer.settings import Settings
+from pagedq.wire import connection
+from pagedq.wire.connection import RETRYABLE
+from pagedq.wire.keys import GROUP, Keys
+from pagedq.wire.schema import FinishReason, Status
+from pagedq.wire.settings import Settings
+from pagedq.wire.worker_scripts import Verdict
 from pagedq.worker import fatal, faults, liveness, recovery
 from pagedq.worker.gc_pauses import GcPauses
 from pagedq.worker.health import DRAINING, SERVING, STOPPED, Health
 from pagedq.worker.intake import Intake
-from pagedq.worker.jobs import Job, WorkerIdentity, logprobs_json, split_request_id
+from pagedq.worker.jobs import (
+    Job,
+    WorkerIdentity,
+    finish_reason_of,
+    logprobs_json,
+    split_request_id,
+)
 from pagedq.worker.metrics import Metrics, observe_many
 from pagedq.worker.pacing import StepPacer
 from pagedq.worker.publisher import Final, Publisher
@@ -271,7 +278,7 @@ class Worker:
             choice.num_tokens += len(o.new_token_ids)
             fr = None
             if o.finished:
-                fr = choice.finish_reason = o.finish_reason or FinishReason.stop
+                fr = choice.finish_reason = finish_reason_of(o.finish_reason)
                 if job.done:
                     ended.append(job)
             lp = logprobs_json(o.logprobs, self._token_text) if o.logprobs else None
@@ -288,7 +295,7 @@ class Worker:
         tok = self.engine.tokenizer
         return tok.decode([token_id]) if tok is not None else ""
 
-    def _final(self, job: Job, status: Status, reason: str, error: str = "") -> None:
+    def _final(self, job: Job, status: Status, reason: FinishReason, error: str = "") -> None:
         """End the job: choices still running end with ``reason`` (cancelled, deadline)."""
         self.jobs.pop(job.uid, None)
         for choice in job.choices:
@@ -296,7 +303,7 @@ class Worker:
                 choice.finish_reason = reason
         jlog, m = self.log.bind(job_id=job.job_id, prefix=job.keys.prefix), self.metrics
 
-        def done(verdict: str) -> None:
+        def done(verdict: Verdict | str) -> None:
             m.finished.labels(status).inc()
             m.e2e.observe(job.queue_wait_s + time.monotonic() - job.admitted_at)
             jlog.info("job_done", status=status, finish_reason=reason, verdict=verdict,

@@ -1,0 +1,161 @@
+"""OpenAI Batch JSONL lines -> pagedq job requests (pure: no Redis, no files).
+
+One input line is ``{"custom_id", "method": "POST", "url", "body"}``. ``url`` picks the
+shape: ``/v1/completions`` (``prompt``: a string or token ids) or ``/v1/chat/completions``
+(``messages``). The body is validated by ``JobRequest`` (which accepts OpenAI's aliases:
+max_completion_tokens, logprobs + top_logprobs, user). A bad line becomes a ``LineError``
+with its line number and custom_id; it never fails the other lines.
+
+Invariant: parsing is deterministic. The ingest validates the file once, then re-parses
+each line when it submits it (after a crash, again): the same line gives the same body,
+so a resubmitted job is recognised by SUBMIT's idempotency check.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from pydantic import ValidationError
+
+from pagedq.wire.openai_api import ENDPOINTS, body_problem
+from pagedq.wire.schema import JobRequest, describe
+
+LANE = "batch"  # the jobs stream lane every batch job rides
+# set by the batch for every line, refused in a body
+BATCH_FIELDS = ("id", "lane", "timeout_s", "v")
+# codes of the error file for lines that never became jobs because they are invalid
+VALIDATION_CODES = frozenset({"invalid_json_line", "invalid_custom_id", "duplicate_custom_id",
+                              "invalid_method", "invalid_url", "model_mismatch",
+                              "invalid_request"})
+
+
+@dataclass(frozen=True, slots=True)
+class LineError:
+    line: int  # 1-based line number in the input file
+    custom_id: str | None
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """A valid line: what the collector needs to shape its result."""
+
+    line: int
+    custom_id: str
+    kind: str  # "completion" or "chat"
+    logprobs: bool  # the request asked for log-probabilities
+
+    def row(self) -> list[Any]:
+        return [self.line, self.custom_id, self.kind, self.logprobs]
+
+    @classmethod
+    def from_row(cls, row: list[Any]) -> Line:
+        return cls(int(row[0]), str(row[1]), str(row[2]), bool(row[3]))
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    line: int
+    custom_id: str
+    kind: str
+    data: dict[str, Any]  # JobRequest fields, without id, lane, timeout_s
+
+
+def job_id(batch_id: str, line: int) -> str:
+    """Deterministic: a re-run ingest submits the same ids, and SUBMIT answers 'exists'."""
+    return f"{batch_id}.{line}"
+
+
+def read_lines(f: BinaryIO, start_line: int = 1) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset of the next line, raw line) of the non-blank lines from
+    the current position of ``f`` (which is at the start of line ``start_line``)."""
+    n, offset = start_line - 1, f.tell()
+    for raw in f:
+        n += 1
+        offset += len(raw)
+        if raw.strip():
+            yield n, offset, raw
+
+
+def parse(raw: bytes, line: int, model: str) -> Parsed | LineError:
+    """One line -> the request fields, or why it is invalid (custom_id checks excepted:
+    duplicates are the file's business, see ``Validator``)."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        return LineError(line, None, "invalid_json_line", f"not a JSON line: {e}")
+    if not isinstance(obj, dict):
+        return LineError(line, None, "invalid_json_line", "a line must be a JSON object")
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        return LineError(line, None, "invalid_custom_id", "custom_id must be a non-empty string")
+    extra = set(obj) - {"custom_id", "method", "url", "body"}
+    if extra:
+        return LineError(line, cid, "invalid_json_line", f"unknown fields {sorted(extra)}")
+    if obj.get("method") != "POST":
+        return LineError(line, cid, "invalid_method", "method must be \"POST\"")
+    kind = ENDPOINTS.get(obj.get("url"))  # type: ignore[arg-type]
+    if kind is None:
+        return LineError(line, cid, "invalid_url", f"url must be one of {sorted(ENDPOINTS)}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return LineError(line, cid, "invalid_request", "body must be a JSON object")
+    data = dict(body)
+    body_model = data.pop("model", None)
+    if body_model is not None and body_model != model:
+        return LineError(line, cid, "model_mismatch",
+                         f"body model {body_model!r} is not the batch's model {model!r}")
+    problem = _shape_problem(kind, data)
+    if problem:
+        return LineError(line, cid, "invalid_request", problem)
+    return Parsed(line, cid, kind, data)
+
+
+def _shape_problem(kind: str, data: dict[str, Any]) -> str | None:
+    """Checks JobRequest cannot make: a batch's own (no stream, no fields the batch sets),
+    then the endpoint's (wire/openai_api.py, shared with the HTTP gateway)."""
+    if data.pop("stream", False) not in (False, None):
+        return "stream is not supported in a batch"
+    for name in BATCH_FIELDS:
+        if name in data:
+            return f"{name} is set by the batch, not by a line"
+    return body_problem(kind, data)
+
+
+def request(p: Parsed, batch_id: str, model: str,
+            timeout_s: float | None = None) -> JobRequest | LineError:
+    """The job request of a parsed line (``timeout_s``: seconds left in the window)."""
+    data = {**p.data, "id": job_id(batch_id, p.line), "model": model, "lane": LANE}
+    if timeout_s is not None:
+        data["timeout_s"] = timeout_s
+    try:
+        return JobRequest.model_validate(data)
+    except ValidationError as e:
+        return LineError(p.line, p.custom_id, "invalid_request", describe(e))
+
+
+class Validator:
+    """Validates a file's lines in order; a custom_id is claimed by its first line, later
+    lines with it are ``duplicate_custom_id`` (OpenAI refuses such files)."""
+
+    def __init__(self, batch_id: str, model: str) -> None:
+        self.batch_id, self.model = batch_id, model
+        self.seen: set[str] = set()
+
+    def check(self, raw: bytes, line: int) -> Line | LineError:
+        p = parse(raw, line, self.model)
+        cid = p.custom_id
+        if cid is not None:
+            if cid in self.seen:
+                return LineError(line, cid, "duplicate_custom_id",
+                                 f"custom_id {cid!r} was used by an earlier line")
+            self.seen.add(cid)
+        if isinstance(p, LineError):
+            return p
+        req = request(p, self.batch_id, self.model)
+        if isinstance(req, LineError):
+            return req
+        return Line(line, p.custom_id, p.kind, req.logprobs is not None)

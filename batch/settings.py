@@ -1,0 +1,77 @@
+"""Settings of bulk batches, beside wire/settings.py's: each field is overridable by the
+environment variable PAGEDQ_<NAME> (e.g. PAGEDQ_BATCH_DIR) or by the matching CLI flag."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_WINDOW_S = 7 * 86400  # a job's timeout_s is at most 7 days (wire/schema.py)
+
+
+def default_batch_dir() -> str:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "share")
+    return os.path.join(base, "pagedq", "batches")
+
+
+class BatchSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PAGEDQ_", extra="ignore")
+
+    # where each batch gets its folder: input copy, manifest, output and error JSONL. The
+    # submitter and the rq workers must see the same folder (one machine, or a shared mount).
+    batch_dir: str = Field(default_factory=default_batch_dir)
+    # limits of one input file (OpenAI's: 50,000 requests, 200 MB)
+    batch_max_lines: int = Field(50_000, ge=1)
+    batch_max_bytes: int = Field(200 * 1024 * 1024, ge=1)
+    batch_completion_window: str = "24h"
+    # the rq queue of the control plane (ingest and tick jobs)
+    batch_queue: str = "pagedq-batch"
+    # the Redis of the rq queues (default: the jobs' PAGEDQ_REDIS_URL). rq cannot use a
+    # Redis Cluster: with PAGEDQ_REDIS_CLUSTER set, give a plain Redis here (same
+    # credentials and TLS settings)
+    batch_rq_url: str | None = None
+    # seconds between two ticks (collect progress, finalize) of a batch
+    batch_poll_s: float = Field(1.0, gt=0)
+    # an ingest or tick that has not shown life for this long is presumed dead and re-armed
+    batch_lease_s: float = Field(30.0, gt=0)
+    # SUBMITs sent in one pipeline by the ingest
+    batch_chunk_lines: int = Field(500, ge=1)
+    # one ingest rq job runs at most this long, then hands over to a continuation job queued
+    # behind the jobs waiting meanwhile (ticks of this and other batches get their turn)
+    batch_ingest_slice_s: float = Field(10.0, gt=0)
+    # after expires_at + this, jobs the service has not ended yet are cancelled (reported
+    # batch_expired), so the batch ends even when workers are busy or gone
+    batch_expiry_grace_s: float = Field(10.0, ge=0)
+    # a terminal batch's record is kept this long (its files stay until you delete them)
+    batch_record_ttl_s: int = Field(30 * 86400, ge=60)
+
+    def rq_url(self, redis_url: str, cluster: bool) -> str:
+        """The rq queues' Redis URL (``batch_rq_url``, else ``redis_url``); ValueError when
+        that would be a Redis Cluster."""
+        if self.batch_rq_url:
+            return self.batch_rq_url
+        if cluster:
+            raise ValueError("PAGEDQ_REDIS_CLUSTER is set: rq cannot use a Redis Cluster; set "
+                             "PAGEDQ_BATCH_RQ_URL to a plain Redis for the batch queues")
+        return redis_url
+
+    def dir_path(self) -> Path:
+        return Path(self.batch_dir).expanduser().resolve()
+
+
+def window_seconds(window: str) -> int:
+    """``"24h"`` -> 86400. Accepts N followed by s, m, h or d, up to 7 days."""
+    m = _WINDOW_RE.match(window or "")
+    if not m:
+        raise ValueError(f"invalid completion_window {window!r}: use a number and s, m, h or d "
+                         "(e.g. 24h)")
+    seconds = int(m[1]) * _UNIT_S[m[2]]
+    if seconds > MAX_WINDOW_S:
+        raise ValueError(f"completion_window {window!r} is longer than 7 days")
+    return seconds

@@ -1,0 +1,85 @@
+"""``pagedq batch worker``: a real rq worker (JSON serializer, with rq's scheduler) on the
+control-plane queue, plus a watchdog thread that keeps every running batch's tick chain
+alive.
+
+Why the watchdog: ticks schedule their successors through rq's scheduler, which runs in a
+child process of one worker and holds a lock for ~60 s after it dies. A worker killed
+with its scheduler (a crashed machine, an OOM kill) leaves scheduled ticks waiting for
+that lock; the watchdog sees a batch whose ``beat`` is older than ``batch_lease_s`` and
+starts a new chain with an immediate tick (the old chain stops at its next tick).
+
+Jobs run in the worker process (rq's SimpleWorker: no fork per job), so killing the
+worker stops an ingest at once; every job is safe to run again.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import redis
+
+from pagedq.wire.connection import connect, probe
+from pagedq.wire.settings import Settings
+
+from .runtime import Runtime, configure, new_token, runtime
+from .settings import MAX_WINDOW_S, BatchSettings
+
+EXIT_WATCHDOG_FAULT = 71  # as a pagedq worker's fault in a thread (worker/fatal.py)
+
+
+def rearm_stale(rt: Runtime) -> int:
+    """New tick chains for this worker's queue's running batches whose chain went silent;
+    returns how many."""
+    secs, _ = rt.r.time()
+    n = 0
+    for batch_id in rt.store.recent_ids(secs - MAX_WINDOW_S - 86400):
+        chain = new_token()
+        if rt.store.rearm(batch_id, chain, rt.bs.batch_lease_s, rt.bs.batch_queue):
+            rt.enqueue_tick(rt.bs.batch_queue, batch_id, chain)
+            n += 1
+    return n
+
+
+class Watchdog(threading.Thread):
+    def __init__(self, rt: Runtime, log) -> None:
+        super().__init__(name="pagedq-batch-watchdog", daemon=True)
+        self.rt, self.log = rt, log
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        every = max(0.2, self.rt.bs.batch_lease_s / 2)
+        while not self.stopping.wait(every):
+            try:
+                n = rearm_stale(self.rt)
+                if n:
+                    self.log.warning("pagedq batch watchdog: restarted %d stalled batch(es)", n)
+            except (redis.RedisError, ValueError, KeyError) as e:  # Redis away, a bad record
+                self.log.warning("pagedq batch watchdog: %s: %s", type(e).__name__, e)
+            except Exception:  # a bug: end the process rather than run without a watchdog
+                self.log.critical("pagedq batch watchdog failed", exc_info=True)
+                os._exit(EXIT_WATCHDOG_FAULT)
+
+
+def run_worker(redis_url: str, prefix: str, settings: Settings, bs: BatchSettings, *,
+               name: str | None = None, burst: bool = False, log_level: str = "INFO") -> bool:
+    """Run the rq worker until stopped (SIGTERM/SIGINT: rq's warm shutdown)."""
+    from rq import SimpleWorker
+    from rq.serializers import JSONSerializer
+
+    configure(redis_url, settings, bs)
+    rt = runtime(prefix)
+    # fail here, with one line, if Redis refuses the credentials or the TLS set-up
+    # (RedisUnusable: "cannot use Redis at ..."), or is not there (a ConnectionError)
+    rq_url = bs.rq_url(redis_url, settings.redis_cluster)
+    probe(settings, rq_url)
+    rt.r.ping()
+    rearm_stale(rt)
+    worker = SimpleWorker([bs.batch_queue], connection=connect(settings, rq_url, cluster=False),
+                          serializer=JSONSerializer, name=name,
+                          maintenance_interval=int(max(10, bs.batch_lease_s)))
+    dog = Watchdog(rt, worker.log)
+    dog.start()
+    try:
+        return worker.work(burst=burst, with_scheduler=True, logging_level=log_level)
+    finally:
+        dog.stopping.set()

@@ -1,0 +1,172 @@
+"""How a job samples, declared once: ``SamplingParams``, the engine's per-request parameters
+(a dataclass: the engine re-exports it from engine/sampling_params.py), whose fields with
+their types, defaults and ranges are also the wire's (``with_sampling``: the pydantic
+fields ``JobRequest`` is built on, wire/schema.py). A producer and the engine therefore accept the
+same values; the worker passes a request's fields to the engine by name
+(worker/jobs.py), and the clients' submit() takes one keyword per field (checked by
+tests/test_pagedq_package.py). pydantic and the standard library only: the engine
+imports this, and it never imports redis.
+
+A new sampling field is one field of SamplingParams (and the code that uses it, and its
+keyword in both clients' submit()); ``metadata={"wire": False}`` keeps an engine-only one
+off the wire (``guided`` and ``logit_bias`` below, until the wire carries them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from pagedq.wire.guided import GuidedSpec
+
+MAX_TOKENS_LIMIT = 32768
+MAX_STOP_STRINGS = 16
+MAX_N = 16
+LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this (OpenAI's range)
+MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias (OpenAI's limit)
+
+
+def describe(e: ValidationError, limit: int = 8) -> str:
+    """A validation error as one line: ``field: problem; field: problem``."""
+    parts = []
+    for err in e.errors()[:limit]:
+        # drop pydantic's internal union/validator tags such as "function-after[...]"
+        loc = ".".join(str(x) for x in err["loc"] if "[" not in str(x))
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def _unicode(s: str) -> str:
+    """Lone surrogates (from "\\ud800" JSON escapes, or undecodable bytes) cannot be encoded
+    as UTF-8: neither Redis, the tokenizer nor another client could take them."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text is not valid Unicode (it holds a lone surrogate)") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling parameters, validated on construction (ValueError, one line)."""
+
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] = 128
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0  # 0 = greedy
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = -1  # -1 or 0 = off
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    stop: Annotated[list[Annotated[Text, Field(min_length=1, max_length=256)]],
+                    Field(max_length=MAX_STOP_STRINGS)] = field(default_factory=list)
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],
+                              Field(max_length=64)] = field(default_factory=list)
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # top alternatives per token
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    # guided decoding: the output must match this spec (wire/guided.py); it is compiled at
+    # add_request (a spec that cannot compile is a ValueError there)
+    guided: GuidedSpec | None = field(default=None, metadata={"wire": False})
+    # token id -> added to its logit before sampling (after penalties, before the
+    # min_tokens and guided masks); ids are checked against the vocabulary at add_request
+    logit_bias: Annotated[
+        dict[Annotated[int, Field(ge=0)],
+             Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT,
+                                    allow_inf_nan=False)]],
+        Field(max_length=MAX_LOGIT_BIAS)] = field(default_factory=dict,
+                                                   metadata={"wire": False})
+
+    def __post_init__(self) -> None:
+        try:
+            checked = _Checked.model_validate({f: getattr(self, f) for f in _ALL})
+        except ValidationError as e:
+            raise ValueError(describe(e)) from None
+        for name in _ALL:  # as validated: a str stop is a list of one
+            setattr(self, name, getattr(checked, name))
+
+    @classmethod
+    def of_request(cls, req: Any, **changes: Any) -> SamplingParams:
+        """The sampling fields of a request the wire's model validated (``with_sampling``:
+        the same declarations), not validated again: the worker's path, one per choice.
+        ``changes`` must keep them valid (the worker's n=1 and seed+k mod 2**63); an
+        engine-only field takes its default."""
+        sp = object.__new__(cls)
+        for name, wire, default in _MAKE:
+            if name in changes:
+                value = changes[name]
+            else:
+                value = getattr(req, name) if wire else default()
+            object.__setattr__(sp, name, value)
+        return sp
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class _Rules(BaseModel):
+    """What holds between the sampling fields, and the shapes they are given in."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("stop", mode="before", check_fields=False)
+    @classmethod
+    def _stop_as_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _min_tokens(self) -> Any:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
+        return self
+
+
+def _model(name: str, names: tuple[str, ...], base: type[BaseModel] | None = None,
+           ) -> type[BaseModel]:
+    hints = typing.get_type_hints(SamplingParams, include_extras=True)
+    fields = {f.name: f for f in dataclasses.fields(SamplingParams)}
+
+    def default(f: dataclasses.Field) -> Any:
+        if f.default_factory is not dataclasses.MISSING:
+            return Field(default_factory=f.default_factory)
+        return f.default
+
+    return create_model(name, __base__=(base, _Rules) if base else _Rules,
+                        **{n: (hints[n], default(fields[n])) for n in names})
+
+
+_ALL = tuple(f.name for f in dataclasses.fields(SamplingParams))
+# (name, on the wire, its default) of each field, for of_request
+_MAKE = tuple((f.name, f.metadata.get("wire", True),
+               f.default_factory if f.default_factory is not dataclasses.MISSING
+               else (lambda d=f.default: d))
+              for f in dataclasses.fields(SamplingParams))
+_Checked = _model("SamplingParams", _ALL)
+# the fields on the wire, in SamplingParams' order
+WIRE_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                    if f.metadata.get("wire", True))
+
+
+def with_sampling(base: type[BaseModel]) -> type[BaseModel]:
+    """``base`` followed by the wire's sampling fields (JobRequest's fields: its head,
+    these, then its own: wire/schema.py). One class, so a request's JSON keeps its order."""
+    return _model(base.__name__.lstrip("_") + "Sampling", WIRE_FIELDS, base)
