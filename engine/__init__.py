@@ -1,11 +1,12 @@
 """The inference engine. Never imports redis (a test asserts it).
 
-``from engine import LLMEngine, SamplingParams`` is the public API; it imports torch
-lazily so that ``import pagedq.engine.sampling_params`` stays light.
+``from pagedq.engine import LLMEngine, SamplingParams, EngineClosed`` is the public API; it
+imports torch lazily so that ``import pagedq.engine.sampling_params`` stays light.
 """
+from pagedq.engine.errors import EngineClosed
 from pagedq.engine.sampling_params import SamplingParams
 
-__all__ = ["LLMEngine", "SamplingParams"]
+__all__ = ["EngineClosed", "LLMEngine", "SamplingParams"]
 
 
 def __getattr__(name: str):
