@@ -113,6 +113,12 @@ class Paged:
                                 kv_cache_memory_gb=args.kv_cache_memory_gb,
                                 max_model_len=args.max_model_len)
 
+    def __enter__(self) -> Paged:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.close()
+
     def run(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         from pagedq.engine import SamplingParams
         sp = SamplingParams(temperature=self.temperature, max_tokens=new_tokens,
@@ -159,9 +165,15 @@ def main(argv=None) -> int:
 
     import torch
     torch.set_num_threads(args.threads)
-    from pagedq.engine.loader import hf_folder
+    with Paged(args) as paged:
+        return compare(args, paged)
 
-    paged = Paged(args)
+
+def compare(args, paged: Paged) -> int:
+    """The rounds: transformers, then pagedq, on the same prompts; prints and --json."""
+    import torch
+
+    from pagedq.engine.loader import hf_folder
     prompts = chat_prompts(paged.engine.tokenizer, args.batch)
     hf = HFStatic(hf_folder(paged.engine.runner.source), paged.engine.tokenizer,
                   args.temperature)

@@ -56,7 +56,7 @@ def main() -> int:
             ids = text_ids(runner.tokenizer, args.tokens)
         runs[(dtype, kv)] = next_token_logprobs(runner, ids, args.chunk)
         print(f"  {dtype}/{kv}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
-        del runner
+        runner.close()  # the device memory goes before the next configuration loads
     truth = runs[("float32", "auto")]
     target = torch.tensor(ids[1:])
     rows = []

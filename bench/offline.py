@@ -175,38 +175,38 @@ def main() -> int:
 
     from pagedq.engine import LLMEngine, SamplingParams
     t = time.perf_counter()
-    engine = LLMEngine(model_folder(args.shape), load_format="dummy", max_model_len=4096,
-                       max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       enforce_eager=args.enforce_eager, device=args.device,
-                       async_scheduling=not args.no_async, kv_cache_dtype=args.kv_cache_dtype,
-                       tensor_parallel_size=args.tensor_parallel_size,
-                       gpu_memory_utilization=args.gpu_memory_utilization)
-    load_s = time.perf_counter() - t
-    prompts, params = workload(args.num_seqs)
-    if args.smoke:  # a quick check of the script itself, e.g. on the CPU
-        prompts = [p[:16] for p in prompts]
-        for sp in params:
-            sp.max_tokens = 16
-    # warm-up: prompts of the workload's lengths (chunked prefill shapes and decode batch
-    # sizes JIT-compile here, not in the timed call), outputs clipped to 8 tokens
-    warm = [[(7 * i + j) % 10000 for j in range(len(p))] for i, p in enumerate(prompts[:32])]
-    engine.generate(warm, SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True),
-                    use_tqdm=False)
-    compiled = triton_variants()
-    res = run(engine, prompts, params)
-    res["triton_compiles_in_timed_run"] = triton_variants() - compiled
-    res.update(shape=args.shape, num_seqs=args.num_seqs, enforce_eager=args.enforce_eager,
-               async_scheduling=not args.no_async, kv_cache_dtype=args.kv_cache_dtype,
-               disabled=args.disable, decode_variant=args.decode_variant or None,
-               prompt_tokens=sum(map(len, prompts)),
-               expected_output_tokens=sum(p.max_tokens for p in params),
-               num_kv_blocks=engine.runner.num_kv_blocks, load_s=load_s,
-               tensor_parallel_size=args.tensor_parallel_size,
-               cuda_graphs=len(engine.runner.graphs),
-               kv_cache_gib=engine.runner.kv_cache_bytes / 2**30,
-               graph_gib=engine.runner.graph_bytes / 2**30,
-               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    with LLMEngine(model_folder(args.shape), load_format="dummy", max_model_len=4096,
+                   max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   enforce_eager=args.enforce_eager, device=args.device,
+                   async_scheduling=not args.no_async, kv_cache_dtype=args.kv_cache_dtype,
+                   tensor_parallel_size=args.tensor_parallel_size,
+                   gpu_memory_utilization=args.gpu_memory_utilization) as engine:
+        load_s = time.perf_counter() - t
+        prompts, params = workload(args.num_seqs)
+        if args.smoke:  # a quick check of the script itself, e.g. on the CPU
+            prompts = [p[:16] for p in prompts]
+            for sp in params:
+                sp.max_tokens = 16
+        # warm-up: prompts of the workload's lengths (chunked prefill shapes and decode batch
+        # sizes JIT-compile here, not in the timed call), outputs clipped to 8 tokens
+        warm = [[(7 * i + j) % 10000 for j in range(len(p))] for i, p in enumerate(prompts[:32])]
+        engine.generate(warm, SamplingParams(max_tokens=8, temperature=0.6, ignore_eos=True),
+                        use_tqdm=False)
+        compiled = triton_variants()
+        res = run(engine, prompts, params)
+        res["triton_compiles_in_timed_run"] = triton_variants() - compiled
+        res.update(shape=args.shape, num_seqs=args.num_seqs, enforce_eager=args.enforce_eager,
+                   async_scheduling=not args.no_async, kv_cache_dtype=args.kv_cache_dtype,
+                   disabled=args.disable, decode_variant=args.decode_variant or None,
+                   prompt_tokens=sum(map(len, prompts)),
+                   expected_output_tokens=sum(p.max_tokens for p in params),
+                   num_kv_blocks=engine.runner.num_kv_blocks, load_s=load_s,
+                   tensor_parallel_size=args.tensor_parallel_size,
+                   cuda_graphs=len(engine.runner.graphs),
+                   kv_cache_gib=engine.runner.kv_cache_bytes / 2**30,
+                   graph_gib=engine.runner.graph_bytes / 2**30,
+                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     if args.shape in PHYSICAL_LIMIT and res["device"] != "cpu":
         res["fraction_of_limit"] = res["throughput_tok_s"] / PHYSICAL_LIMIT[args.shape]
     print(json.dumps(res))

@@ -198,21 +198,20 @@ def ttft(runs: int, budget: int) -> dict:
     from offline import model_folder
 
     from pagedq.engine import LLMEngine, SamplingParams
-    engine = LLMEngine(model_folder(SHAPE), load_format="dummy", max_model_len=2 * TTFT_LEN,
-                       max_num_seqs=256, max_num_batched_tokens=budget,
-                       device="cpu" if DRY else "auto")
-    rnd = random.Random(1)
-    sp = SamplingParams(max_tokens=1, temperature=0.6, ignore_eos=True)
-    ts = []
-    for i in range(3 + runs):  # fresh ids each time: never a prefix-cache hit
-        prompt = [rnd.randint(0, 10000) for _ in range(TTFT_LEN)]
-        t = time.perf_counter()
-        out = engine.generate([prompt], sp, use_tqdm=False)
-        dt = time.perf_counter() - t
-        assert len(out[0].token_ids) == 1, out[0]
-        if i >= 3:
-            ts.append(dt * 1e3)
-    engine.close()
+    with LLMEngine(model_folder(SHAPE), load_format="dummy", max_model_len=2 * TTFT_LEN,
+                   max_num_seqs=256, max_num_batched_tokens=budget,
+                   device="cpu" if DRY else "auto") as engine:
+        rnd = random.Random(1)
+        sp = SamplingParams(max_tokens=1, temperature=0.6, ignore_eos=True)
+        ts = []
+        for i in range(3 + runs):  # fresh ids each time: never a prefix-cache hit
+            prompt = [rnd.randint(0, 10000) for _ in range(TTFT_LEN)]
+            t = time.perf_counter()
+            out = engine.generate([prompt], sp, use_tqdm=False)
+            dt = time.perf_counter() - t
+            assert len(out[0].token_ids) == 1, out[0]
+            if i >= 3:
+                ts.append(dt * 1e3)
     return dict(prompt_tokens=TTFT_LEN, max_num_batched_tokens=budget, runs=runs,
                 ttft_ms_median=statistics.median(ts), ttft_ms_min=min(ts), ttft_ms_max=max(ts))
 

@@ -34,28 +34,28 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from pagedq.engine import LLMEngine
-    engine = LLMEngine(model_folder(args.shape), load_format="dummy", max_model_len=4096,
-                       max_num_seqs=256, max_num_batched_tokens=16384,
-                       enforce_eager=args.enforce_eager)
-    prompts, params = workload(args.num_seqs)
-    for k, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"p{k}", p, sp)
-    cuda = torch.cuda.is_available()  # on the CPU (a smoke run) the table is of CPU time
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(args.skip):
-        engine.step()
-    sync()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    per_token = engine.runner.block_bytes() / engine.runner.block_size  # K+V, all layers
-    kv_read = 0.0  # bytes of KV the attention of these steps reads (each context once)
-    with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            kv_read += per_token * sum(s.num_computed_tokens + 1 for s in engine.scheduler.running)
+    with LLMEngine(model_folder(args.shape), load_format="dummy", max_model_len=4096,
+                   max_num_seqs=256, max_num_batched_tokens=16384,
+                   enforce_eager=args.enforce_eager) as engine:
+        prompts, params = workload(args.num_seqs)
+        for k, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(f"p{k}", p, sp)
+        cuda = torch.cuda.is_available()  # on the CPU (a smoke run) the table is of CPU time
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        for _ in range(args.skip):
             engine.step()
         sync()
-        wall = time.perf_counter() - t0
-    batch = len(engine.scheduler.running)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        per_token = engine.runner.block_bytes() / engine.runner.block_size  # K+V, all layers
+        kv_read = 0.0  # bytes of KV the attention of these steps reads (each context once)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                kv_read += per_token * sum(s.num_computed_tokens + 1 for s in engine.scheduler.running)
+                engine.step()
+            sync()
+            wall = time.perf_counter() - t0
+        batch = len(engine.scheduler.running)
     rows = []
     for e in prof.key_averages():
         dev_us = e.self_device_time_total if cuda else e.self_cpu_time_total

@@ -12,14 +12,17 @@ Then each step the driver packs the step's inputs (engine/inputs.py) and sends t
 each rank's pipe; all ranks run the forward pass (all-reduces over NCCL on GPUs, gloo on
 the CPU), rank 0 gathers the logits and samples. Ranks never answer a step.
 
-Failure, never a hang:
+Failure, never a hang, and dead is told from slow by the process, never by a clock:
   * a rank that ends (killed, crashed, OOM) -> the driver's monitor thread records a
     TensorParallelError naming the rank and how it ended (with the rank's own error
     message when it had one) and calls ``on_failure`` (the worker: exit 71, jobs handed
     over through their leases); every later step raises it; a step blocked in a collective
     with the dead peer fails at once (gloo: connection closed; NCCL: the monitor aborts the
     process group);
-  * a wedged but living peer: collectives time out after ``collective_timeout_s()``;
+  * a rank is dead only once its process has ended (its sentinel, its exit code, reaped
+    by one thread at a time); a slow or wedged but living peer is waited for: set-up
+    barriers have no deadline (loading may take minutes; a death still ends them at
+    once), collectives time out after ``collective_timeout_s()``;
   * the driver ending (even SIGKILL) -> each rank sees its pipe close, or its parent pid
     change, and exits: ranks never outlive the driver. Ranks ignore SIGINT and SIGTERM (a
     Ctrl-C or a stop signal sent to the whole process group is the driver's to handle: it
@@ -48,7 +51,7 @@ NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
 TIMEOUT_ENV = "PAGEDQ_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
-FAILURE_GRACE_S = 3.0  # a failed collective waits this long for the monitor to name a dead rank
+FAILURE_GRACE_S = 3.0  # a failed collective waits this long for a rank's process to end
 STOP_WAIT_S = 10.0  # close(): how long ranks get to exit before SIGKILL
 LEAVE_WAIT_S = 10.0  # leave_group(): how long a clean destroy may take before an abort
 

@@ -31,6 +31,13 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self.size
 
+    def __del__(self) -> None:
+        # the links are reference cycles: unlinked here, the blocks go with the queue (its
+        # block manager, its engine) by reference counting, not at some later gc pass
+        b = self.head
+        while b is not None:
+            b.prev, b.next, b = None, None, b.next
+
     def append(self, b: KVBlock) -> None:
         last = self.tail.prev
         b.prev, b.next = last, self.tail

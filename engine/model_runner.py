@@ -17,9 +17,16 @@ With one rank nothing is spawned and no collective runs: the single-device code 
 CUDA graphs (CUDA, Triton kernels, not enforce_eager): a decode-only step replays one
 whole-model graph per padded batch size; with one rank, a step that prefills (up to 8,192
 tokens) replays the model in pieces between eager attention calls (engine/piecewise.py).
+
+``close()`` releases all of it at once (engine/llm_engine.py: the engine's lifetime). Nothing
+the runner owns refers back to it (the rank group's hook before it leaves the process group
+holds the graphs, not the runner), so a runner dropped without close() is freed, device
+memory and all, by reference counting; tensor-parallel ranks are stopped by its finalizer.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import time
 import weakref
@@ -27,6 +34,7 @@ import weakref
 import torch
 
 from pagedq.engine.batch import ScheduledBatch
+from pagedq.engine.capture import capture_stream
 from pagedq.engine.config import EngineConfig
 from pagedq.engine.inputs import InputBuilder, Packed
 from pagedq.engine.layers import ops
@@ -106,18 +114,27 @@ class ModelRunner:
         self.ranks = None  # the driver's distributed.RankGroup when tensor-parallel
         self.tp = SINGLE
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded decode batch size -> graph
+        self._static: dict[str, torch.Tensor] = {}  # the decode graphs' inputs and output
         self.piecewise: PiecewiseGraphs | None = None  # steps that prefill (one rank only)
         self.graph_bytes = 0  # device memory the CUDA graphs hold (pools, static buffers)
+        self.model = self.kv_cache = self.inputs = None  # set by _build; None once closed
+        self._closed = False
         if tp_size == 1:
-            self._build(model_cls, weights)
+            try:
+                self._build(model_cls, weights)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the error to report is the first
+                    self.close()  # what was built goes now, not with the traceback
+                raise
         else:
             from pagedq.engine.rank_group import RankGroup
             if rank == 0:
                 stage(f"starting {tp_size - 1} tensor-parallel rank process(es)")
                 link = self.ranks = RankGroup(type(self), model_name_or_path, config,
                                               self.device)
-                self.ranks.before_leave = weakref.WeakMethod(self.release_graphs)
-                weakref.finalize(self, self.ranks.close)
+                # NCCL cannot leave a group while a graph captured its collectives
+                self.ranks.before_leave = functools.partial(_reset_graphs, self.graphs)
+                weakref.finalize(self, self.ranks.close)  # a runner dropped unclosed
             self._link = link
             try:
                 self.tp = link.init_group(self.device)
@@ -128,7 +145,8 @@ class ModelRunner:
                 # a ValueError is the driver's own (a bad checkpoint, too little memory...)
                 failure = (self.ranks.failure_behind(e) if isinstance(e, Exception)
                            and not isinstance(e, ValueError) else None)
-                self.ranks.close()
+                with contextlib.suppress(Exception):  # the error to report is this one
+                    self.close()
                 if failure is None:
                     raise
                 raise failure from e
@@ -158,7 +176,6 @@ class ModelRunner:
         ops.set_use_triton(use_triton)
 
         self.inputs = InputBuilder(self.device, config, self.max_model_len)
-        self.kv_cache: torch.Tensor | None = None
         if config.num_kv_blocks is None and self.device.type == "cuda":
             stage("measuring free GPU memory for the KV cache (one warm-up step)")
         blocks = config.num_kv_blocks or self._profile_num_blocks()
@@ -193,7 +210,7 @@ class ModelRunner:
             self.piecewise = PiecewiseGraphs(self.model, self.device, self.dtype,
                                              self.hf_config.hidden_size,
                                              self.config.max_num_batched_tokens)
-            self.piecewise.capture()
+            self.piecewise.capture(capture_stream(self.device, self.dtype))
         return torch.cuda.memory_reserved(self.device) - before
 
     @property
@@ -326,12 +343,13 @@ class ModelRunner:
         # sizes in the same order, in lockstep); thread-local capture lets the NCCL
         # watchdog thread query its events meanwhile
         mode = "thread_local" if self.tp.size > 1 else "global"
+        stream = capture_stream(dev, self.dtype)
         for n in reversed(sizes):  # largest first: smaller graphs reuse its pool
             meta = AttentionMetadata(st["slots"][:n], st["tables"][:n], st["lens"][:n],
                                      st["cu"][:n + 1], 1, True, st["pos"][:n])
             self._model_step(st["ids"][:n], st["pos"][:n], meta)  # compile/warm the kernels
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
                 st["out"][:n] = self._model_step(st["ids"][:n], st["pos"][:n], meta)
             pool = graph.pool()
             self.graphs[n] = graph
@@ -415,8 +433,9 @@ class ModelRunner:
         return self.ranks.pids if self.ranks is not None else []
 
     def set_failure_handler(self, callback) -> None:
-        """``callback(TensorParallelError)`` is called from a monitor thread when a rank
-        process dies, even while the engine is idle. No-op with one rank."""
+        """``callback(TensorParallelError)`` is called when a rank process dies, even while
+        the engine is idle (from a monitor thread, or the stepping one). No-op with one
+        rank."""
         if self.ranks is not None:
             self.ranks.on_failure = callback
 
@@ -424,9 +443,7 @@ class ModelRunner:
         """Destroy the CUDA graphs. NCCL keeps a communicator alive while a captured graph
         refers to it, so its destroy (and even its abort) waits forever: every rank releases
         its graphs before it leaves the process group."""
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
+        _reset_graphs(self.graphs)
         self._static = {}
         if self.piecewise is not None:
             self.piecewise.reset()
@@ -435,9 +452,31 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks (a no-op with one rank, and the second time)."""
+        """Release the device: stop the tensor-parallel ranks (each rank, the driver
+        included, destroys its graphs before it leaves the group), destroy the CUDA graphs,
+        drop the KV cache, the weights and the input buffers, and (CUDA) hand the freed
+        memory back to the driver. Idempotent; the runner runs no step afterwards."""
+        if self._closed:
+            return
+        self._closed = True
         if self.ranks is not None:
             self.ranks.close()
+        try:
+            self.release_graphs()
+        finally:
+            if self.model is not None:  # a caller may still hold the model: not its cache
+                for attn in self.model.attention_layers():
+                    attn.k_cache = attn.v_cache = torch.tensor([])
+            self.model = self.kv_cache = self.inputs = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _reset_graphs(graphs: dict[int, torch.cuda.CUDAGraph]) -> None:
+    """Destroy the decode graphs in ``graphs`` (their pool is freed with the last)."""
+    for graph in graphs.values():
+        graph.reset()
+    graphs.clear()
 
 
 @torch.no_grad()

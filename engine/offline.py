@@ -3,17 +3,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedq.engine.errors import EngineClosed
 from pagedq.engine.outputs import RequestOutput
 from pagedq.engine.sampling_params import SamplingParams
 
 
 class OfflineMixin:
-    """``generate()`` for LLMEngine (needs add_request, step, has_unfinished, _live)."""
+    """``generate()`` for LLMEngine (needs encode, add_request, step, has_unfinished)."""
 
     def generate(self, prompts: list[str] | list[list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order."""
+        """Run prompts to completion; outputs in prompt order. EngineClosed if the engine
+        is closed, before or during the call (close() from another thread)."""
+        try:
+            return self._generate(prompts, params, use_tqdm)
+        except EngineClosed:
+            raise EngineClosed("generate") from None
+
+    def _generate(self, prompts, params, use_tqdm: bool) -> list[RequestOutput]:
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(params, list):
@@ -23,11 +31,12 @@ class OfflineMixin:
         ids = [f"gen-{i}" for i in range(len(prompts))]
         state: dict[str, dict[str, Any]] = {}
         for rid, prompt, p in zip(ids, prompts, params, strict=True):
-            plen = self.add_request(rid, prompt, p)
+            token_ids = self.encode(prompt)
+            self.add_request(rid, token_ids, p)
             for k in range(p.n):
                 sid = rid if p.n == 1 else f"{rid}#{k}"
                 state[sid] = {"text": [], "ids": [], "lp": [], "reason": None,
-                              "prompt": list(self._live[sid].seq.prompt_token_ids[:plen])}
+                              "prompt": list(token_ids)}
         bar = _progress(len(state), use_tqdm)
         while self.has_unfinished():
             for o in self.step():

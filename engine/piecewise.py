@@ -71,8 +71,9 @@ class PiecewiseGraphs:
                                  self.pos[:n], split=split)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        stream = torch.cuda.Stream(self.device)
+    def capture(self, stream: torch.cuda.Stream) -> None:
+        """Capture every size on ``stream`` (engine/capture.py: the process's one capture
+        stream, not a fresh one per engine)."""
         for n in reversed(self.sizes):  # largest first, as the decode graphs
             self.pieces[n] = self._capture(n, stream)
         torch.cuda.synchronize(self.device)

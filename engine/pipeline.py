@@ -116,18 +116,18 @@ class StepPipeline:
     placeholders, and dropping the tokens of rows finished or aborted since launch.
 
     ``requests`` is the engine's map of live requests (request_id -> ``Request``), read
-    only; ``advance(request, token_id, logprobs)`` is the engine's per-token output step,
-    called by ``collect`` once the token is in ``token_ids``. ``guided`` holds the grammar
-    matchers of guided sequences."""
+    only. The engine owns the pipeline, never the other way round: nothing here refers
+    back to the engine (its per-token output step is passed to each ``collect``), so the
+    engine, and the device memory under it, is freed by reference counting alone.
+    ``guided`` holds the grammar matchers of guided sequences."""
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, scheduler: Scheduler,
-                 requests: Mapping[str, Request],
-                 advance: Callable[[Any, int, Any], StepOutput], max_model_len: int,
+                 requests: Mapping[str, Request], max_model_len: int,
                  allow_async: bool, guided: GuidedDecoding) -> None:
         self.runner, self.sampler, self.scheduler = runner, sampler, scheduler
         self.guided = guided
         self.bm = scheduler.bm
-        self.requests, self.advance = requests, advance
+        self.requests = requests
         self.max_model_len = max_model_len
         self.allow_async = allow_async
         self.inflight: InFlight | None = None  # the async step launched, not yet collected
@@ -198,11 +198,13 @@ class StepPipeline:
         self.device_wait_s += time.perf_counter() - t0
         return ids
 
-    def collect(self, rec: InFlight) -> list[StepOutput]:
+    def collect(self, rec: InFlight,
+                advance: Callable[[Any, int, Any], StepOutput]) -> list[StepOutput]:
         """Outputs of a launched step's tokens: each row still live gets its token (its
-        placeholder filled in, else appended), then ``advance``; other rows are dropped."""
+        placeholder filled in, else appended), then ``advance(request, token_id,
+        logprobs)`` (the engine's stop checks and detokenization); other rows are dropped."""
         outs = []
-        get, advance, bm = self.requests.get, self.advance, self.bm
+        get, bm = self.requests.get, self.bm
         bs = bm.block_size
         lps = rec.logprobs or [None] * len(rec.seqs)
         ids = self._wait(rec)
@@ -221,3 +223,9 @@ class StepPipeline:
                 toks.append(tok)
             outs.append(advance(req, tok, lp))
         return outs
+
+    def close(self) -> None:
+        """Drop what holds device memory: the step in flight (its sampled tokens) and the
+        sampler (the penalised rows' prompt ids). The pipeline launches nothing after."""
+        self.inflight = None
+        self.sampler = None

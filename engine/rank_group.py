@@ -62,11 +62,17 @@ class RankGroup:
         self.size = config.tensor_parallel_size
         self.device = device
         self.failure: TensorParallelError | None = None
-        self.on_failure = None  # callable(TensorParallelError), from the monitor thread
-        # () -> (() -> None) | None: the driver's runner's release_graphs, as a weak method
+        # callable(TensorParallelError): from the monitor thread, or from the engine's thread
+        # when its step met the failure first (failure_behind)
+        self.on_failure = None
+        # () -> None, run before the driver leaves the process group (it destroys the
+        # driver's CUDA graphs); it must not hold the runner, which owns this group
         self.before_leave: Any = None
-        self._failed = threading.Event()
         self._lock = threading.Lock()
+        # one reaper at a time: two threads in waitpid() on one rank, one of them gets
+        # ECHILD and saw no exit code (a killed rank was once reported as still running)
+        self._reap_lock = threading.Lock()
+        self._ended: dict[int, TensorParallelError] = {}  # rank -> how it ended (once)
         self._closed = False
         self._serving = False  # every rank passed "ready": it reads its pipe, "stop" works
         self._owns_group = False
@@ -161,13 +167,18 @@ class RankGroup:
             raise self.failure
 
     def failure_behind(self, exc: BaseException) -> TensorParallelError | None:
-        """The rank failure that explains ``exc`` (a failed collective or pipe: a peer's
-        death breaks them before the monitor may have seen it, so this waits up to
-        FAILURE_GRACE_S for it), or None: then ``exc`` is the driver's own error."""
+        """The rank failure that explains ``exc``, or None: then ``exc`` is the driver's
+        own error. A failed collective or pipe: a peer that died broke it as its process
+        ended, so this waits up to FAILURE_GRACE_S for a rank's process to end (asking the
+        processes, not the monitor thread, which a loaded machine may not have run yet).
+        None means every rank is still running: never a guess from a timeout."""
         if isinstance(exc, TensorParallelError):
             return exc
-        if not self._closed:
-            self._failed.wait(FAILURE_GRACE_S)
+        if self.failure is None and not self._closed:
+            ended = mpc.wait([p.sentinel for p in self.procs], FAILURE_GRACE_S)
+            if ended:
+                r = 1 + [p.sentinel for p in self.procs].index(ended[0])
+                self._fail(self._describe(r))
         return self.failure
 
     # ---- failure ---------------------------------------------------------------------
@@ -182,11 +193,19 @@ class RankGroup:
             self._fail(self._describe(dead[0]))
 
     def _describe(self, r: int) -> TensorParallelError:
+        """How rank r ended, asked once its pipe closed or its process ended (the monitor
+        and a waiting thread may both ask: one reaps, both get the same answer)."""
+        with self._reap_lock:
+            if r not in self._ended:
+                self._ended[r] = self._how_it_ended(r)
+            return self._ended[r]
+
+    def _how_it_ended(self, r: int) -> TensorParallelError:
         proc = self.procs[r - 1]
-        proc.join(1.0)
+        proc.join(STOP_WAIT_S)  # it is gone, or going: its pipe or its sentinel said so
         code = proc.exitcode
-        if code is None:
-            how = "stopped answering"
+        if code is None:  # the pipe closed under a process still running (not seen yet)
+            how = "closed its pipe to the driver while still running"
         elif code < 0:
             try:
                 how = f"was killed by {signal.Signals(-code).name}"
@@ -206,23 +225,23 @@ class RankGroup:
 
     def _fail(self, exc: TensorParallelError) -> TensorParallelError:
         """Record the group's failure (the first one wins; none after close) and return it;
-        the first time, tell ``on_failure`` and unblock collectives."""
+        the first time, unblock collectives, then tell ``on_failure`` (a handler that closes
+        the engine must not wait on a step stuck in a collective)."""
         with self._lock:
             if self.failure is not None or self._closed:
                 return self.failure or exc
             self.failure = exc
-        self._failed.set()
+        if self.device.type == "cuda" and self._owns_group and dist.is_initialized():
+            try:  # unblock a driver waiting on a collective with the dead peer
+                dist.distributed_c10d._abort_process_group()
+            except Exception:  # noqa: BLE001
+                pass
         callback = self.on_failure
         if callback is not None:
             try:
                 callback(exc)
             except Exception:  # noqa: BLE001 - the failure is recorded either way
                 traceback.print_exc()
-        if self.device.type == "cuda" and self._owns_group and dist.is_initialized():
-            try:  # unblock a driver waiting on a collective with the dead peer
-                dist.distributed_c10d._abort_process_group()
-            except Exception:  # noqa: BLE001
-                pass
         return exc
 
     def close(self) -> None:
@@ -243,20 +262,20 @@ class RankGroup:
             except (OSError, ValueError):
                 pass
         if self._owns_group and dist.is_initialized():
-            release = self.before_leave() if self.before_leave is not None else None
-            if release is not None:
+            if self.before_leave is not None:
                 try:
-                    release()
+                    self.before_leave()
                 except Exception:  # noqa: BLE001 - a failed device: abort below anyway
                     pass
             leave_group(abort=self.failure is not None and self.device.type == "cuda")
         # a rank still building (or a group that failed) is not reading its pipe: no wait
         deadline = time.monotonic() + (STOP_WAIT_S if self._serving and not self.failure else 0)
         for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(STOP_WAIT_S)
+            with self._reap_lock:
+                p.join(max(0.0, deadline - time.monotonic()))
+                if p.is_alive():
+                    p.kill()
+                    p.join(STOP_WAIT_S)
         for c in (*self.conns, *self.errs, self._wake_r, self._wake_w):
             c.close()
         if self._threads is not None:

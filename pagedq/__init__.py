@@ -35,6 +35,7 @@ if (not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "engine"))
 # redis) must not import the client, nor `import pagedq` the engine (torch).
 if TYPE_CHECKING:  # for editors and type checkers; at run time they load lazily
     from pagedq.batch import AsyncBatches, Batches
+    from pagedq.engine.errors import EngineClosed
     from pagedq.engine.llm_engine import LLMEngine
     from pagedq.engine.sampling_params import SamplingParams
     from pagedq.producer import (
@@ -62,16 +63,17 @@ if TYPE_CHECKING:  # for editors and type checkers; at run time they load lazily
     )
 
 __all__ = [
-    "AsyncBatches", "AsyncClient", "Batches", "ChatMessage", "Choice", "Client", "Event",
-    "EventsTrimmed", "FinalEvent", "InvalidRequest", "JobConflict", "JobNotFound", "JobRecord",
+    "AsyncBatches", "AsyncClient", "Batches", "ChatMessage", "Choice", "Client",
+    "EngineClosed", "Event", "EventsTrimmed", "FinalEvent", "InvalidRequest", "JobConflict", "JobNotFound", "JobRecord",
     "JobRequest", "Keys", "LLMEngine", "NoWorker", "Overloaded", "PagedqError",
     "ResultTimeout", "SamplingParams", "Settings", "Status", "TokenEvent", "Usage",
     "__version__",
 ]
-# where each name lives: the engine's two (they import torch), the batches', else the client
-# side (pagedq.producer re-exports the wire contract's names it uses)
+# where each name lives: the engine's (LLMEngine imports torch), the batches', else the
+# client side (pagedq.producer re-exports the wire contract's names it uses)
 _HOME = {**{name: "pagedq.producer" for name in __all__ if name != "__version__"},
          "AsyncBatches": "pagedq.batch", "Batches": "pagedq.batch",
+         "EngineClosed": "pagedq.engine.errors",
          "LLMEngine": "pagedq.engine.llm_engine",
          "SamplingParams": "pagedq.engine.sampling_params"}
 

@@ -1,10 +1,12 @@
 """The engine on CUDA (Triton kernels, CUDA graphs) against the CPU reference path, greedy,
-for a fixed random model. Skipped without CUDA."""
+for a fixed random model; its memory budget; engine after engine giving the device memory
+back. Skipped without CUDA."""
 from __future__ import annotations
 
 import gc
 import json
 import random
+import weakref
 
 import pytest
 import torch
@@ -100,3 +102,74 @@ def test_device_memory_stays_within_gpu_memory_utilization(tmp_path):
     assert used <= util * total + slack, (
         f"{(used - util * total) / 2**20:.0f} MiB over; graphs "
         f"{engine.runner.graph_bytes / 2**20:.0f} MiB, KV {engine.runner.num_kv_blocks} blocks")
+
+
+MiB = 2**20
+
+
+def dummy_llama(folder, **dims) -> str:
+    """A folder holding only the config.json of a Llama shape (load_format="dummy": random
+    weights)."""
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000,
+               max_position_embeddings=4096, rms_norm_eps=1e-6, hidden_act="silu",
+               torch_dtype="bfloat16", tie_word_embeddings=False, eos_token_id=0,
+               bos_token_id=0, **dims)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+@pytest.mark.parametrize("release", ["close", "del"])
+def test_engine_after_engine_gives_the_device_memory_back(release, tmp_path):
+    """Eight engines built, used and released in a row, by close() or by ``del`` alone with
+    the collector off: after each, torch.cuda.memory_allocated() is back within 16 MiB of
+    where it started, the KV cache and the weights are gone, and the next engine gets the
+    same KV cache. Each sizes its KV cache from free memory (a warm-up step and a capture
+    of the graphs to measure them, then the real capture): decode and piecewise graphs.
+    One engine first, before the start is read: what a process keeps once for all engines
+    (cuBLAS workspaces of the default and capture streams, engine/capture.py)."""
+    folder = dummy_llama(tmp_path, hidden_size=1024, intermediate_size=2816,
+                         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8)
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    cfg = dict(device="cuda", load_format="dummy", max_model_len=2048, max_num_seqs=32,
+               max_num_batched_tokens=1024,
+               gpu_memory_utilization=(total - free) / total + 0.05)  # ~7 GiB of an H200
+    rng = random.Random(0)
+    prompts = [rng.choices(range(32000), k=n) for n in (700, 300, 90, 33, 5)]
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=1, ignore_eos=True)
+
+    def use(eng: LLMEngine) -> list:
+        assert eng.runner.graphs and eng.runner.piecewise is not None
+        outs = eng.generate(prompts, params, use_tqdm=False)  # piecewise, then decode graphs
+        assert [len(o.token_ids) for o in outs] == [24] * len(prompts)
+        return [weakref.ref(eng.runner.kv_cache)] + [
+            weakref.ref(p) for p in eng.runner.model.parameters()]
+
+    before = torch.cuda.memory_allocated()
+    with LLMEngine(folder, **cfg) as first:
+        refs = use(first)
+        blocks, per_block = first.runner.num_kv_blocks, first.runner.block_bytes()
+    assert all(r() is None for r in refs), "close() kept the KV cache or weights"
+    start = torch.cuda.memory_allocated()
+    lines = [f"kept for the process by the first engine: {(start - before) / MiB:.1f} MiB; "
+             f"KV cache {blocks} blocks"]
+    gc.disable()
+    try:
+        for k in range(8):
+            eng = LLMEngine(folder, **cfg)
+            held = torch.cuda.memory_allocated() - start
+            got = eng.runner.num_kv_blocks
+            refs = use(eng)
+            if release == "close":
+                eng.close()
+            del eng
+            after = torch.cuda.memory_allocated() - start
+            lines.append(f"engine {k}: {held / MiB:.0f} MiB while built, {after / MiB:+.1f} "
+                         f"MiB after {release}; KV cache {got} blocks")
+            assert all(r() is None for r in refs), "\n".join(lines)
+            assert abs(after) <= 16 * MiB, "\n".join(lines)
+            assert got >= blocks - 16 * MiB // per_block, "\n".join(lines)  # none held back
+    finally:
+        gc.enable()
+    print("\n".join(lines))

@@ -94,8 +94,12 @@ def test_the_wire_and_the_engine_take_the_same_sampling_values():
     from pagedq.wire.sampling import WIRE_FIELDS, SamplingParams
     from pagedq.worker.jobs import sampling_params
 
-    names = [f.name for f in dataclasses.fields(SamplingParams)]
+    fields = dataclasses.fields(SamplingParams)
+    names = [f.name for f in fields if f.metadata.get("wire", True)]
     assert list(WIRE_FIELDS) == names and set(names) <= set(JobRequest.model_fields)
+    # the engine-only fields (metadata wire=False) stay off the wire
+    engine_only = {f.name for f in fields} - set(names)
+    assert not engine_only & set(JobRequest.model_fields)
     for field, bad in (("repetition_penalty", 10.5), ("temperature", 101.0), ("n", 17),
                        ("max_tokens", 40000), ("stop", [""]), ("stop_token_ids", [-1]),
                        ("seed", 2**63), ("top_p", 0.0), ("logprobs", 21), ("min_p", 1.5)):

@@ -8,6 +8,7 @@ Redis and exits 71 with one log line when a rank dies (its job finished by anoth
 The GPU variants (marked gpu) need two CUDA devices."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -18,7 +19,7 @@ import time
 import pytest
 import torch
 
-from pagedq.engine import LLMEngine, SamplingParams
+from pagedq.engine import EngineClosed, LLMEngine, SamplingParams
 from pagedq.engine.distributed import TensorParallelError
 from pagedq.engine.parallel import check_heads, head_slice, split
 from tests.model_fixtures import _tiny_config, tiny_tokenizer
@@ -121,16 +122,12 @@ def test_smollm2_tp2_greedy_equals_tp1():
     cfg = dict(device="cpu", dtype="float32", num_kv_blocks=32, max_model_len=256)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     p = SamplingParams(max_tokens=6, **G)
-    one = LLMEngine("smollm2", **cfg)
-    ref = [o.token_ids for o in one.generate(prompts, p, use_tqdm=False)]
-    del one
-    two = LLMEngine("smollm2", tensor_parallel_size=2, **cfg)
-    try:
+    with LLMEngine("smollm2", **cfg) as one:
+        ref = [o.token_ids for o in one.generate(prompts, p, use_tqdm=False)]
+    with LLMEngine("smollm2", tensor_parallel_size=2, **cfg) as two:
         shard = two.runner.model.model.layers[0].self_attn
         assert (shard.nh, shard.nkv) == (6, 2)  # rank 0 of 9 / 3 heads
         got = [o.token_ids for o in two.generate(prompts, p, use_tqdm=False)]
-    finally:
-        two.close()
     assert got == ref
 
 
@@ -191,11 +188,35 @@ def test_a_killed_rank_is_a_clear_error_within_seconds_and_leaves_no_process(lla
     assert not torch.distributed.is_initialized()
 
 
+def test_ranks_exit_on_close_and_when_the_engine_is_dropped(tiny_model_dir):
+    """close() (here: leaving ``with``) stops the rank processes before it returns; so does
+    dropping the last reference to an engine never closed, with the collector off."""
+    folder = str(tiny_model_dir("LlamaForCausalLM"))
+    prompt = {0: [("r", list(range(1, 12)), SamplingParams(max_tokens=4, **G))]}
+    with LLMEngine(folder, device="cpu", tensor_parallel_size=2, **TINY_CFG) as eng:
+        (pid,) = eng.runner.tensor_parallel_pids
+        assert alive(pid) and len(run(eng, prompt)["r"]) == 4
+    assert not alive(pid) and not torch.distributed.is_initialized()
+    with pytest.raises(EngineClosed, match=r"LLMEngine\.step\(\)"):
+        eng.step()
+    eng.close()  # a second close: nothing to do
+    eng = LLMEngine(folder, device="cpu", tensor_parallel_size=2, **TINY_CFG)
+    (pid,) = eng.runner.tensor_parallel_pids
+    assert len(run(eng, prompt)["r"]) == 4
+    gc.collect()
+    gc.disable()
+    try:
+        del eng
+        assert not alive(pid) and not torch.distributed.is_initialized()
+    finally:
+        gc.enable()
+
+
 def test_the_rank_exits_when_its_driver_is_killed(tiny_model_dir, tmp_path):
     """A driver killed with SIGKILL (no cleanup at all) leaves no orphan rank."""
     import subprocess
     import sys
-    code = ("import sys; from engine import LLMEngine\n"
+    code = ("import sys; from pagedq.engine import LLMEngine\n"
             "if __name__ == '__main__':\n"
             f"    e = LLMEngine({str(tiny_model_dir('LlamaForCausalLM'))!r}, device='cpu', "
             "tensor_parallel_size=2, num_kv_blocks=8)\n"

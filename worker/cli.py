@@ -232,17 +232,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from pagedq.worker.config_show import log_config
     from pagedq.worker.service import Worker
 
-    w = Worker(engine, cfg.service, worker_id=cfg.worker.worker_id)
-    # tensor-parallel: a rank process that dies ends the worker at once (exit 71), idle or
-    # not; leases hand its jobs to other workers
-    engine.set_failure_handler(lambda e: fatal.die("tensor-parallel", e, list(w.jobs)))
-    report.ready(engine, cfg, w.worker_id)  # the start line, before the JSON logs
-    log_config(cfg)  # after the last configuration check: a bad one stays one stderr line
-    install_signal_handlers(w)
-    try:
-        w.run()
-    except connection.RedisUnusable as e:  # refused at start, after the pre-check passed
-        raise ConfigError(str(e)) from None
+    with engine:  # closed on the way out: its device memory, its tensor-parallel ranks
+        w = Worker(engine, cfg.service, worker_id=cfg.worker.worker_id)
+        # tensor-parallel: a rank process that dies ends the worker at once (exit 71), idle
+        # or not; leases hand its jobs to other workers
+        engine.set_failure_handler(lambda e: fatal.die("tensor-parallel", e, list(w.jobs)))
+        report.ready(engine, cfg, w.worker_id)  # the start line, before the JSON logs
+        log_config(cfg)  # after the last configuration check: a bad one stays one line
+        install_signal_handlers(w)
+        try:
+            w.run()
+        except connection.RedisUnusable as e:  # refused at start, after the pre-check passed
+            raise ConfigError(str(e)) from None
     return EXIT_CLEAN
 
 
