@@ -23,6 +23,11 @@ class EngineConfig:
     seed: int = 0  # seed of the generator for requests without their own seed
     # "dummy": random weights from config.json alone (benchmarks: no checkpoint needed)
     load_format: str = "auto"
+    # how the checkpoint's weights are held (engine/quant/): "auto" = what the checkpoint
+    # is (config.json quantization_config, quantize_config.json, a .gguf file's types);
+    # "awq" / "gptq" / "gguf" = that, or an error if the checkpoint is not; "none" = plain
+    # weights (a .gguf file dequantized to float by transformers at load)
+    quantization: str = "auto"
     # schedule and launch step N+1 before step N's tokens reach the host (engine/pipeline.py).
     # None: on for CUDA; off on the CPU, where a step computes as it is launched, so the
     # pipeline overlaps nothing and would only hold every token back one step
@@ -64,6 +69,9 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError("kv_cache_dtype must be 'auto' or 'fp8'")
+        if self.quantization not in ("auto", "awq", "gptq", "gguf", "none"):
+            raise ValueError(f"quantization must be auto, awq, gptq, gguf or none "
+                             f"(got {self.quantization!r})")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError("load_format must be 'auto' or 'dummy'")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -37,6 +37,9 @@ from pagedq.engine.models import get_model_class
 from pagedq.engine.parallel import SINGLE
 from pagedq.engine.piecewise import PiecewiseGraphs
 from pagedq.engine.progress import stage
+from pagedq.engine.quant import model as quant_model
+from pagedq.engine.quant.detect import detect as detect_quantization
+from pagedq.engine.quant.weights import feed
 from pagedq.engine.sampling_params import SamplingParams
 from pagedq.engine.sequence import Sequence
 from pagedq.kernels.layout import transposed_view
@@ -91,11 +94,17 @@ class ModelRunner:
             self.kv_cache_dtype = torch.float8_e4m3fn
 
         self.source = resolve_model(model_name_or_path, config.load_format != "dummy")
+        self.quant = detect_quantization(self.source, config.quantization,
+                                         config.load_format == "dummy")
+        if self.quant is not None and tp_size > 1:
+            raise ValueError(f"a quantized checkpoint ({self.quant.summary()}) runs with "
+                             f"tensor_parallel_size 1")
+        self.quant_summary: str | None = None  # how the weights are held (the ready line)
         stage("reading the model's config and tokenizer")
         # tensor-parallel: lazy tensors, so each rank reads only its slices; only the
         # driver detokenizes
         hf_config, weights, self.tokenizer = load_model_files(
-            self.source, lazy=tp_size > 1, tokenizer=rank == 0)
+            self.source, lazy=tp_size > 1, tokenizer=rank == 0, quant=self.quant)
         self.hf_config = hf_config
         model_cls = get_model_class(hf_config)
         model_cls.check_tensor_parallel(hf_config, tp_size)  # before any process starts
@@ -140,12 +149,26 @@ class ModelRunner:
         config, tp = self.config, self.tp
         with torch.device("meta"):  # no random init: parameters are filled by load_weights
             model = model_cls(self.hf_config, max_position=self.max_model_len, tp=tp)
-        model = model.to(self.dtype).to_empty(device=self.device)
-        stage(f"loading weights to {self.device} {str(self.dtype).removeprefix('torch.')}")
+        model = model.to(self.dtype)
+        # a float32 CPU model multiplies oneDNN-packed float32 weights (engine/layers/
+        # packed.py), far faster there than dequantizing at every step: it dequantizes
+        # its quantized weights at load (engine/quant/weights.py feed) instead
+        dequantize = self.device.type == "cpu" and self.dtype == torch.float32
+        kept = quant_model.quantize(model, self.quant) if self.quant and not dequantize \
+            else set()
+        model = model.to_empty(device=self.device)  # (quantized buffers keep their dtypes)
+        stage(f"loading weights to {self.device} {str(self.dtype).removeprefix('torch.')}"
+              + (f" ({self.quant.summary()}, dequantized: a float32 CPU model multiplies "
+                 f"dense weights)" if self.quant and dequantize else ""))
         if config.load_format == "dummy":
             _init_dummy(model, seed=tp.rank)
         else:
-            model.load_weights(weights)
+            model.load_weights(feed(weights, kept))
+            quant_model.finish_load(model)
+        if self.quant is not None:
+            self.quant_summary = (f"{self.quant.summary()}, dequantized at load (float32 CPU)"
+                                  if dequantize else f"{self.quant.summary()}, kept quantized"
+                                  if kept else f"{self.quant.method}: no layer quantized")
         if self.device.type == "cpu" and self.dtype == torch.float32:
             pack_model(model)  # MKL-packed copies for the GEMMs of a decode step
         self.model = model.eval()
@@ -450,3 +473,4 @@ def _init_dummy(model: torch.nn.Module, seed: int = 0) -> None:
             p.fill_(1.0)
         else:
             p.normal_(0.0, 0.02, generator=gen)
+    quant_model.init_dummy(model, gen)  # quantized layers: random codes and scales

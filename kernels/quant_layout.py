@@ -39,10 +39,15 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     k, n = codes.shape
     if k % p:
         raise ValueError(f"pack_codes: K={k} is not a multiple of {p} ({bits}-bit codes)")
-    c = codes.to(torch.int64).reshape(k // p, p, n)
-    shifts = (torch.arange(p, dtype=torch.int64, device=codes.device) * bits).view(1, p, 1)
-    words = (c << shifts).sum(1)  # < 2**32: the fields do not overlap
-    return (words - ((words >> 31) << 32)).to(torch.int32)  # two's complement of bit 31
+    c = codes.to(torch.uint8)
+    if bits == 4:  # rows 2j, 2j + 1 -> the low, high nibble of byte j
+        c = c.view(k // 2, 2, n)
+        c = c[:, 0] | (c[:, 1] << 4)
+    # bytes 4w..4w+3 of a column -> its word w, least significant first (little-endian)
+    words = c.reshape(k // p, 4, n).permute(0, 2, 1).reshape(-1, 4).contiguous()
+    if torch.tensor([1], dtype=torch.int32).view(torch.uint8)[0] != 1:
+        raise RuntimeError("pack_codes: a big-endian host")
+    return words.view(torch.int32).view(k // p, n)
 
 
 def unpack_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
@@ -62,8 +67,15 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tenso
                bits: int, group_size: int, zero_point: int) -> torch.Tensor:
     """W [K, N] float32 of the layout above (the contract every kernel computes)."""
     codes = unpack_codes(qweight, bits)
-    g = group_rows(codes.shape[0], group_size, codes.device)
-    w = (codes - zero_point).to(torch.float32) * scales.to(torch.float32)[g]
+    k, n = codes.shape
+    w = (codes - zero_point).to(torch.float32)
+    if k % group_size == 0:  # whole groups: broadcast each scale row over its rows
+        w = w.view(k // group_size, group_size, n).mul_(scales.to(torch.float32).unsqueeze(1))
+        if offsets is not None:
+            w.add_(offsets.to(torch.float32).unsqueeze(1))
+        return w.view(k, n)
+    g = group_rows(k, group_size, codes.device)
+    w *= scales.to(torch.float32)[g]
     if offsets is not None:
         w += offsets.to(torch.float32)[g]
     return w
