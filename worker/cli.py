@@ -170,6 +170,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
                    help="dummy: random weights from config.json alone, for benchmarks "
                         "(default: auto)")
+    p.add_argument("--quantization", default=None,
+                   choices=["auto", "awq", "gptq", "gguf", "none"],
+                   help="how the weights are held: auto = as the checkpoint is quantized "
+                        "(AWQ, GPTQ, GGUF Q4_0/Q4_1/Q8_0: kept quantized, on the CPU in "
+                        "float32 dequantized at load), none = plain weights (a .gguf file "
+                        "dequantized to float) (default: auto)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
                    help="fp8: float8_e4m3 KV cache, twice the tokens per GiB (accuracy: "
                         "docs/benchmarks.md) (default: auto = the model dtype)")
@@ -254,14 +260,23 @@ def check_config(args: argparse.Namespace) -> Resolved:
 
 
 def check_model(cfg: Resolved) -> None:
-    """The model exists here (a name, folder or file), before anything loads: no torch.
+    """The model exists here (a name, folder or file) and its quantization is one pagedq
+    serves (and the one asked for), before anything loads: no torch.
     Not part of check_config: `pagedq config` may describe another machine's worker."""
     from pagedq.engine.loader import resolve_model
+    from pagedq.engine.quant.detect import detect
 
+    dummy = cfg.worker.load_format == "dummy"
     try:
-        resolve_model(cfg.worker.model, cfg.worker.load_format != "dummy")
+        source = resolve_model(cfg.worker.model, not dummy)
     except ValueError as e:
         raise ConfigError(f"{cfg.origin('model')}: {e}") from None
+    try:  # its quantization (config files, a GGUF index): no weights read
+        detect(source, cfg.worker.quantization, dummy)
+    except ValueError as e:
+        where = cfg.origin("quantization") if cfg.sources.get("quantization", "default") \
+            != "default" else cfg.origin("model")
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def build_engine(cfg: Resolved, on_stage=None):

@@ -44,7 +44,8 @@ FLAGGED = frozenset({"redis_url", "prefix", "prefixes", "metrics_port", "metrics
 
 _ENGINE_SECTIONS: dict[str, dict[str, str]] = {  # section -> YAML key -> setting name
     "model": {"path": "model", "served_name": "served_name", "device": "device",
-              "dtype": "dtype", "load_format": "load_format", "kv_cache_dtype": "kv_cache_dtype",
+              "dtype": "dtype", "load_format": "load_format", "quantization": "quantization",
+              "kv_cache_dtype": "kv_cache_dtype",
               "max_model_len": "max_model_len",
               "gpu_memory_utilization": "gpu_memory_utilization",
               "enforce_eager": "enforce_eager", "use_triton": "use_triton", "seed": "seed",

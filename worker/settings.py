@@ -23,7 +23,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # WorkerSettings fields that are EngineConfig fields, passed to LLMEngine as they are
 # (seed: None becomes a random seed per process).
 ENGINE_FIELDS = (
-    "device", "dtype", "load_format", "kv_cache_dtype", "max_model_len",
+    "device", "dtype", "load_format", "quantization", "kv_cache_dtype", "max_model_len",
     "gpu_memory_utilization", "enforce_eager", "use_triton", "seed", "scheduling_policy",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "async_scheduling",
     "block_size", "num_kv_blocks", "kv_cache_memory_gb", "enable_prefix_caching",
@@ -40,6 +40,7 @@ class WorkerSettings(BaseSettings):
     device: str = "auto"  # auto: cuda if available, else cpu
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     load_format: str = "auto"  # dummy: random weights from config.json alone
+    quantization: str = "auto"  # auto (what the checkpoint is), awq, gptq, gguf or none
     kv_cache_dtype: str = "auto"  # auto = the model dtype; fp8 = float8_e4m3
     max_model_len: int | None = Field(None, ge=1)  # None: the model's context length
     gpu_memory_utilization: float = 0.90  # CUDA: share of device memory the engine may use
