@@ -1,7 +1,7 @@
 """W4A16 / W8A16 GEMM: y [M, N] = x [M, K] @ W [K, N] (+ bias), W quantized in the layout of
 kernels/quant_layout.py, dequantized tile by tile in registers and fed to tl.dot.
 
-Grid (N tiles, M tiles, SPLIT). Each program owns a [BLOCK_M, BLOCK_N] output tile and a
+Grid (N tiles, M tiles, splits). Each program owns a [BLOCK_M, BLOCK_N] output tile and a
 contiguous run of K tiles: decode (a few rows) has too few output tiles to keep every SM
 busy streaming weights, so its K is split and the fp32 partials [SPLIT, M, N] summed in
 a fixed order by a second kernel (deterministic, unlike atomics). A K tile lies inside one
@@ -38,16 +38,22 @@ class Config:
     block_m: int
     block_n: int
     block_k: int
-    split: int = 1  # K splits (1: no partials)
+    split: int = 0  # K splits; 0: as many as fill the GPU (``fitted``)
     warps: int = 4
     stages: int = 3
-    unpack: int = 0
+    unpack: int = 1
     magic: int = 1
 
     @property
     def name(self) -> str:
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split}w{self.warps}"
                 f"st{self.stages}u{self.unpack}g{self.magic}")
+
+
+# (row bucket, N, K) -> tiles measured best on this GPU: empty unless filled (bench/quant.py
+# fills it from its sweep before timing the engine); ``choose`` prefers it
+TUNED: dict[tuple[int, int, int], Config] = {}
+ROW_BUCKETS = (1, 8, 32, 256)  # the rows of a call -> the smallest bucket >= them
 
 
 @triton.jit
@@ -108,7 +114,7 @@ def _qmm_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr,
                 M, N, K, NG, s_xm, s_ym, tiles_per_split,
                 BITS: tl.constexpr, GROUP: tl.constexpr, ZP: tl.constexpr,
                 HAS_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                SPLIT: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr,
+                PARTIALS: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr,
                 UNPACK: tl.constexpr, MAGIC: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -140,7 +146,7 @@ def _qmm_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr,
         else:
             acc += tl.dot(x, w.to(x.dtype))
     out_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT == 1:
+    if not PARTIALS:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :],
@@ -150,15 +156,15 @@ def _qmm_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr,
         tl.store(ws_ptr + row[:, None] * N + offs_n[None, :], acc, mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, s_ym, SPLIT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "splits"])
+def _reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, s_ym, splits, HAS_BIAS: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """y[m, :] = sum over the splits, in order, of ws[s, m, :] (+ bias)."""
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
+    for s in range(splits):
         acc += tl.load(ws_ptr + (s * M + m).to(tl.int64) * N + offs, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -204,34 +210,41 @@ def fit_block_k(block_k: int, group_size: int) -> int:
     return 0
 
 
+def row_bucket(m: int) -> int | None:
+    return next((b for b in ROW_BUCKETS if m <= b), None)
+
+
 def choose(m: int, n: int, k: int, group_size: int, sms: int) -> Config:
-    """The tiles for one call. Decode (<= 32 rows): 16- or 32-row tiles, K split until
-    the grid has about 4 programs per SM (each split >= 4 K tiles); more rows: 64- or
-    128-row tiles, no split. A guess until bench/quant.py's table on the H200 says better."""
+    """The tiles for one call: TUNED's for the rows' bucket if any, else decode tiles
+    (<= 32 rows: 16- or 32-row tiles, 64 columns, K split until the grid has about 4
+    programs per SM, each split >= 4 K tiles) or, for more rows, 64- or 128-row tiles
+    without a split. The defaults are a guess until bench/quant.py's table on the H200."""
+    tuned = TUNED.get((row_bucket(m), n, k))
+    if tuned is not None:
+        return fitted(tuned, m, n, k, group_size, sms)
     if m <= 32:
-        cfg = Config(16 if m <= 16 else 32, 64, 256, warps=4, stages=3)
+        cfg = Config(16 if m <= 16 else 32, 64, 128, warps=4, stages=3)
     elif m <= 128:
-        cfg = Config(64, 128, 64, warps=4, stages=3)
+        cfg = Config(64, 128, 64, split=1, warps=4, stages=3)
     else:
-        cfg = Config(128, 128, 64, warps=8, stages=3)
+        cfg = Config(128, 128, 64, split=1, warps=8, stages=3)
     return fitted(cfg, m, n, k, group_size, sms)
 
 
-def fitted(cfg: Config, m: int, n: int, k: int, group_size: int, sms: int,
-           split: int | None = None) -> Config:
-    """``cfg`` with its BLOCK_K fitted to the groups and, for decode tiles (split None),
-    its split chosen for the grid; ValueError if no BLOCK_K fits the group size."""
+def fitted(cfg: Config, m: int, n: int, k: int, group_size: int, sms: int) -> Config:
+    """``cfg`` with its BLOCK_K fitted to the groups and, if its split is 0, the split
+    that fills the grid; ValueError if no BLOCK_K fits the group size."""
     bk = fit_block_k(cfg.block_k, group_size)
     if not bk:
         raise ValueError(f"quant_matmul: group_size {group_size} has no power-of-two "
                          f"divisor >= 16 (and is not a power of two)")
-    if split is None:
+    split = cfg.split
+    if split == 0:
         split = 1
-        if cfg.block_m <= 32:
-            tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-            k_tiles = triton.cdiv(k, bk)
-            while split < 16 and tiles * split * 2 <= 4 * sms and k_tiles // (split * 2) >= 4:
-                split *= 2
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        k_tiles = triton.cdiv(k, bk)
+        while split < 16 and tiles * split * 2 <= 4 * sms and k_tiles // (split * 2) >= 4:
+            split *= 2
     return replace(cfg, block_k=bk, split=split)
 
 
@@ -256,6 +269,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return dense_matmul(x, qweight, scales, offsets, bits, group_size, zero_point, bias,
                             perm)
     cfg = config or choose(m, n, k, group_size, num_sms(x.device))
+    if cfg.split == 0:
+        cfg = fitted(cfg, m, n, k, group_size, num_sms(x.device))
     k_tiles = triton.cdiv(k, cfg.block_k)
     per = triton.cdiv(k_tiles, cfg.split)
     split = triton.cdiv(k_tiles, per)  # no split without a K tile
@@ -270,14 +285,14 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         perm if perm is not None else qweight, bias if bias is not None else scales, y, ws,
         m, n, k, scales.shape[0], x.stride(0), y.stride(0), per,
         BITS=bits, GROUP=group_size, ZP=zero_point, HAS_OFFSET=offsets is not None,
-        HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=split, EVEN_K=even_k,
+        HAS_PERM=perm is not None, HAS_BIAS=bias is not None, PARTIALS=split > 1, EVEN_K=even_k,
         F32_DOT=f32_dot, UNPACK=cfg.unpack, MAGIC=cfg.magic,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.warps, num_stages=cfg.stages)
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _reduce_kernel[(m, triton.cdiv(n, block))](
-            ws, bias if bias is not None else ws, y, m, n, y.stride(0), SPLIT=split,
+            ws, bias if bias is not None else ws, y, m, n, y.stride(0), split,
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y
 

@@ -97,8 +97,8 @@ def test_quant_matmul_matches_twin(bits, group, zp, odt, perm, bias, m):
 
 
 VARIANTS = [qm.Config(16, 32, 64, unpack=u, magic=g) for u in (0, 1) for g in (0, 1)] + [
-    qm.Config(16, 64, 128, split=4), qm.Config(32, 32, 32, split=3, unpack=1),
-    qm.Config(64, 32, 64, warps=4), qm.Config(16, 32, 256, split=2, unpack=1)]
+    qm.Config(16, 64, 128, split=4), qm.Config(32, 32, 32, split=3, unpack=0),
+    qm.Config(64, 32, 64, split=1), qm.Config(16, 32, 256, split=2)]
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: c.name)
@@ -111,7 +111,7 @@ def test_every_variant_and_ragged_shapes(cfg, group):
         pytest.skip("no tile fits")
     q, s, o, p = make_weight(k, n, 4, group, 0, torch.float32, perm=group == 128)
     x = torch.randn(m, k, device=DEV).half()
-    cfg = qm.fitted(cfg, m, n, k, group, 8, split=cfg.split)
+    cfg = qm.fitted(cfg, m, n, k, group, 8)
     ref = reference.quant_matmul(x, q, s, o, 4, group, 0, None, p)
     got = qm.quant_matmul(x, q, s, o, 4, group, 0, None, p, config=cfg)
     assert relerr(got, ref) < TOL[torch.float16], cfg
@@ -126,6 +126,15 @@ def test_decode_rows_split_k_and_prefill_rows_do_not():
     assert qm.choose(1, 4096, 576, 32, sms).block_k in (32, 64, 128, 256)
     with pytest.raises(ValueError, match="group_size 24"):
         qm.choose(1, 64, 96, 24, sms)
+    # a measured table (bench/quant.py) wins for its rows' bucket, its split refitted
+    tuned = qm.Config(16, 128, 128, warps=8)
+    qm.TUNED[(8, 4096, 4096)] = tuned
+    try:
+        got = qm.choose(5, 4096, 4096, 128, sms)
+        assert (got.block_n, got.warps, got.split) == (128, 8, 8)  # 4 K tiles per split
+        assert qm.choose(9, 4096, 4096, 128, sms).block_n == 64  # bucket 32: not tuned
+    finally:
+        qm.TUNED.clear()
 
 
 def test_dequantize_kernel_and_dense_path():
