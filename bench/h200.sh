@@ -2,7 +2,7 @@
 # The GPU figures of issue 4 in one go (run from the repo root on the H200 machine; OUT is
 # the folder for JSON results). What each line measures is in bench/*.py's docstrings.
 #   bash bench/h200.sh [tests] [main] [ablations] [profile] [kernels] [service] [openloop]
-#                      [prefill] [rediscost] [quant]
+#                      [prefill] [rediscost] [quanttests] [quant]
 # (quant: ~4-5 min on an empty Triton cache, which it clears first: the W4A16 GEMM sweep,
 # then bf16 and int4 Llama-3.1-8B engines decoding; give it a call of its own)
 # (openloop: 301 s on the H200, closed run and worker start included: give it a call of its
@@ -38,6 +38,8 @@ for s in $steps; do
               timeout 580 python3 bench/service.py --rate auto --duration 30 --settle 5 \
                 --out "$OUT" 2>&1 | grep -v -i warn | tail -12 ;;
     prefill) timeout 300 python3 bench/prefill.py --out "$OUT" 2>&1 | grep -v -i warn | tail -6 ;;
+    quanttests) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py \
+                  tests/test_quant_gpu.py 2>&1 | tail -6 ;;  # the GEMM and engine on the GPU
     quant) rm -rf ~/.triton/cache  # its budget includes compiling every config once
            timeout 580 python3 bench/quant.py --out "$OUT" 2>&1 | grep -v -i warn | tail -60 ;;
     rediscost) export PAGEDQ_REDIS_SERVER=${PAGEDQ_REDIS_SERVER:-$PWD/.whl/redis-server}

@@ -96,9 +96,6 @@ class ModelRunner:
         self.source = resolve_model(model_name_or_path, config.load_format != "dummy")
         self.quant = detect_quantization(self.source, config.quantization,
                                          config.load_format == "dummy")
-        if self.quant is not None and tp_size > 1:
-            raise ValueError(f"a quantized checkpoint ({self.quant.summary()}) runs with "
-                             f"tensor_parallel_size 1")
         self.quant_summary: str | None = None  # how the weights are held (the ready line)
         stage("reading the model's config and tokenizer")
         # tensor-parallel: lazy tensors, so each rank reads only its slices; only the
@@ -150,26 +147,29 @@ class ModelRunner:
         with torch.device("meta"):  # no random init: parameters are filled by load_weights
             model = model_cls(self.hf_config, max_position=self.max_model_len, tp=tp)
         model = model.to(self.dtype)
-        # a float32 CPU model multiplies oneDNN-packed float32 weights (engine/layers/
-        # packed.py), far faster there than dequantizing at every step: it dequantizes
-        # its quantized weights at load (engine/quant/weights.py feed) instead
-        dequantize = self.device.type == "cpu" and self.dtype == torch.float32
-        kept = quant_model.quantize(model, self.quant) if self.quant and not dequantize \
-            else set()
+        dense_cpu = self.device.type == "cpu" and self.dtype == torch.float32
+        # quantized weights are dequantized at load (engine/quant/weights.py feed) by a
+        # float32 CPU model, which multiplies oneDNN-packed float32 weights (engine/layers/
+        # packed.py: far faster there than dequantizing every step), and by tensor-parallel
+        # ranks (the quantized layers hold one rank's weights only)
+        why = "float32 CPU" if dense_cpu else "tensor-parallel" if tp.size > 1 else None
+        kept = set()  # the checkpoint weights kept quantized
+        if self.quant is not None:
+            if why is None:
+                kept = quant_model.quantize(model, self.quant)
+            self.quant_summary = self.quant.summary() + (
+                f", dequantized at load ({why})" if why else
+                ", kept quantized" if kept else ": no layer kept quantized")
         model = model.to_empty(device=self.device)  # (quantized buffers keep their dtypes)
         stage(f"loading weights to {self.device} {str(self.dtype).removeprefix('torch.')}"
-              + (f" ({self.quant.summary()}, dequantized: a float32 CPU model multiplies "
-                 f"dense weights)" if self.quant and dequantize else ""))
+              + (f" ({self.quant.summary()}, dequantized: {why})" if self.quant and why
+                 else ""))
         if config.load_format == "dummy":
             _init_dummy(model, seed=tp.rank)
         else:
             model.load_weights(feed(weights, kept))
             quant_model.finish_load(model)
-        if self.quant is not None:
-            self.quant_summary = (f"{self.quant.summary()}, dequantized at load (float32 CPU)"
-                                  if dequantize else f"{self.quant.summary()}, kept quantized"
-                                  if kept else f"{self.quant.method}: no layer quantized")
-        if self.device.type == "cpu" and self.dtype == torch.float32:
+        if dense_cpu:
             pack_model(model)  # MKL-packed copies for the GEMMs of a decode step
         self.model = model.eval()
         if tp.size > 1:

@@ -8,8 +8,10 @@ a fixed order by a second kernel (deterministic, unlike atomics). A K tile lies 
 scale group when G >= BLOCK_K (one scale row per tile), or holds BLOCK_K / G groups.
 
 Variants (constexpr, picked per shape by ``choose``; bench/quant.py measures them all):
-  UNPACK 0: each of the tile's K rows loads its packed word (P rows share one: cached);
-         1: each word loaded once and split into its P codes by a reshape.
+  UNPACK 0: each of the tile's K rows loads its packed word (P rows share one: cached)
+           and its group's scale; no reshape anywhere (the default);
+         1: each word (and scale row) loaded once, split into its P codes (broadcast over
+           its group's rows) by a reshape.
   MAGIC  0: code -> float by conversion; 1: by OR-ing the code into the mantissa of 2**23
          (an int op and a float subtract instead of a quarter-rate conversion).
 Many rows (prefill): at >= DENSE_MIN_ROWS rows the weight is dequantized to a scratch
@@ -41,7 +43,7 @@ class Config:
     split: int = 0  # K splits; 0: as many as fill the GPU (``fitted``)
     warps: int = 4
     stages: int = 3
-    unpack: int = 1
+    unpack: int = 0
     magic: int = 1
 
     @property
@@ -94,7 +96,14 @@ def _dequant_tile(q_ptr, s_ptr, o_ptr, t, offs_n, n_ok, N, K, NG,
         w = w * s[None, :]
         if HAS_OFFSET:
             w += tl.load(o_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    else:
+    elif UNPACK == 0:  # each row loads its group's scale (rows of a group share it)
+        g = (t * BLOCK_K + tl.arange(0, BLOCK_K)) // GROUP
+        gmask = (g < NG)[:, None] & n_ok[None, :]
+        gptr = g[:, None] * N + offs_n[None, :]
+        w = w * tl.load(s_ptr + gptr, mask=gmask, other=0.0).to(tl.float32)
+        if HAS_OFFSET:
+            w += tl.load(o_ptr + gptr, mask=gmask, other=0.0).to(tl.float32)
+    else:  # each group's scale row loaded once, broadcast over its rows
         GPT: tl.constexpr = BLOCK_K // GROUP
         offs_g = t * GPT + tl.arange(0, GPT)
         gmask = (offs_g < NG)[:, None] & n_ok[None, :]
@@ -181,7 +190,7 @@ def _dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, NG,
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w = _dequant_tile(q_ptr, s_ptr, o_ptr, t, offs_n, n_ok, N, K, NG, BITS, GROUP, ZP,
-                      HAS_OFFSET, EVEN_K, 1, 1, BLOCK_K, BLOCK_N)
+                      HAS_OFFSET, EVEN_K, 0, 1, BLOCK_K, BLOCK_N)
     offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :],
              w.to(w_ptr.dtype.element_ty), mask=(offs_k < K)[:, None] & n_ok[None, :])

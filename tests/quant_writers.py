@@ -3,9 +3,10 @@ nearest, per group of input rows) and packed exactly as AutoAWQ (GEMM), AutoGPTQ
 GPTQModel and llama.cpp (GGUF, written with the gguf package) lay them out, next to the
 same model with those weights dequantized (a plain float32 folder).
 
-Written from the formats' definitions with loops over the packing order, importing nothing
-from pagedq.engine.quant or pagedq.kernels, so that loading these files checks the engine's
-readers against an independent writer.
+Written from the formats' definitions (each field's position spelled out, as the
+quantizers' own packers place it), importing nothing from pagedq.engine.quant or
+pagedq.kernels, so that loading these files checks the engine's readers against an
+independent writer.
 """
 from __future__ import annotations
 
@@ -59,22 +60,16 @@ def dequantized(codes, zeros, scales, groups) -> torch.Tensor:
 def pack_awq(ints: torch.Tensor) -> torch.Tensor:
     """[R, N] ints -> [R, N / 8] int32: nibble i of word j = column 8j + AWQ_ORDER[i]."""
     r, n = ints.shape
-    out = torch.zeros(r, n // 8, dtype=torch.int64)
-    for j in range(n // 8):
-        for i in range(8):
-            out[:, j] |= ints[:, 8 * j + AWQ_ORDER[i]] << (4 * i)
-    return _int32(out)
+    nibbles = ints.to(torch.int64).view(r, n // 8, 8)[..., list(AWQ_ORDER)]  # [.., i]
+    return _int32((nibbles << (4 * torch.arange(8))).sum(-1))
 
 
 def pack_gptq_rows(ints: torch.Tensor, bits: int) -> torch.Tensor:
     """[K, N] ints -> [K / P, N] int32, row P*j + i in bits i*b.. of word j."""
     p = 32 // bits
     k, n = ints.shape
-    out = torch.zeros(k // p, n, dtype=torch.int64)
-    for j in range(k // p):
-        for i in range(p):
-            out[j] |= ints[p * j + i] << (bits * i)
-    return _int32(out)
+    fields = ints.to(torch.int64).view(k // p, p, n)  # [j, i, n] = row P*j + i
+    return _int32((fields << (bits * torch.arange(p)).view(1, p, 1)).sum(1))
 
 
 def pack_gptq_columns(ints: torch.Tensor, bits: int) -> torch.Tensor:

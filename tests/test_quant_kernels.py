@@ -97,8 +97,9 @@ def test_quant_matmul_matches_twin(bits, group, zp, odt, perm, bias, m):
 
 
 VARIANTS = [qm.Config(16, 32, 64, unpack=u, magic=g) for u in (0, 1) for g in (0, 1)] + [
-    qm.Config(16, 64, 128, split=4), qm.Config(32, 32, 32, split=3, unpack=0),
-    qm.Config(64, 32, 64, split=1), qm.Config(16, 32, 256, split=2)]
+    qm.Config(16, 64, 128, split=4), qm.Config(32, 32, 32, split=3, unpack=1),
+    qm.Config(64, 32, 64, split=1), qm.Config(16, 32, 256, split=2),
+    qm.Config(16, 32, 256, split=2, unpack=1)]
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: c.name)

@@ -216,6 +216,3 @@ def test_dummy_weights_take_the_configs_format(tmp_path, tiny_model_dir):
     assert runner.quant_summary == "gptq int4 g32 (sym, act-order), kept quantized"
     lp = next_token_logprobs(runner, [1, 2, 3, 4, 5], chunk=2)
     assert torch.isfinite(lp).all()
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        ModelRunner(str(folder), EngineConfig(device="cpu", load_format="dummy",
-                                              tensor_parallel_size=2, num_kv_blocks=8))

@@ -173,9 +173,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None,
                    choices=["auto", "awq", "gptq", "gguf", "none"],
                    help="how the weights are held: auto = as the checkpoint is quantized "
-                        "(AWQ, GPTQ, GGUF Q4_0/Q4_1/Q8_0: kept quantized, on the CPU in "
-                        "float32 dequantized at load), none = plain weights (a .gguf file "
-                        "dequantized to float) (default: auto)")
+                        "(AWQ, GPTQ, GGUF Q4_0/Q4_1/Q8_0: kept quantized; dequantized at load "
+                        "on the CPU in float32 and with tensor parallelism), none = plain "
+                        "weights (a .gguf file dequantized to float) (default: auto)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
                    help="fp8: float8_e4m3 KV cache, twice the tokens per GiB (accuracy: "
                         "docs/benchmarks.md) (default: auto = the model dtype)")
