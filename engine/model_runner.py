@@ -96,7 +96,10 @@ class ModelRunner:
         self.source = resolve_model(model_name_or_path, config.load_format != "dummy")
         self.quant = detect_quantization(self.source, config.quantization,
                                          config.load_format == "dummy")
-        self.quant_summary: str | None = None  # how the weights are held (the ready line)
+        # how the weights are held, for the ready line (None: a plain checkpoint)
+        self.quant_summary: str | None = "GGUF dequantized to float by transformers " \
+            "(quantization none)" if self.quant is None and self.source.kind == "gguf" \
+            else None
         stage("reading the model's config and tokenizer")
         # tensor-parallel: lazy tensors, so each rank reads only its slices; only the
         # driver detokenizes

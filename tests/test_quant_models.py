@@ -136,10 +136,16 @@ def test_gguf_file(tmp_path, arch, linear, embedding, types):
     # the reference: the same file dequantized to float by transformers (quantization none)
     for dtype in ("bfloat16", "float32"):
         got, runner = logits(path, dtype=dtype)
-        want, _ = logits(path, dtype=dtype, quantization="none")
+        want, plain = logits(path, dtype=dtype, quantization="none")
+        assert plain.quant_summary == "GGUF dequantized to float by transformers " \
+            "(quantization none)"
         assert torch.equal(got, want), (dtype, (got - want).abs().max())
         assert runner.quant_summary.startswith("gguf ") and linear in runner.quant_summary
     runner = logits(path, dtype="bfloat16")[1]
+    embed = runner.model.model.embed_tokens
+    if embedding in ("Q8_0", "Q4_1"):  # a quantized table: rows as F.embedding lays them
+        assert type(embed).__name__ == "QuantEmbedding"
+        assert embed(torch.tensor([3, 1, 4, 1])).is_contiguous()
     layers = runner.model.model.layers
     kinds = {type(layers[0].self_attn.qkv_proj).__name__, type(layers[1].mlp.down_proj).__name__}
     assert kinds == ({"ColumnParallelLinear", "QuantLinear"} if types else {"QuantLinear"})

@@ -156,7 +156,7 @@ class QuantEmbedding(_Quantized):
                                     None if self.offsets is None else
                                     self.offsets.index_select(1, ids),
                                     self.bits, self.group_size, self.zero_point)
-        return w.t().to(self.dtype)
+        return w.t().to(self.dtype).contiguous()  # [T, H] row-major, as F.embedding gives
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.matmul(hidden, None)
