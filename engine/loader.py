@@ -6,12 +6,12 @@ Three kinds of model source, nothing is ever downloaded:
   * a local Hugging Face folder: config.json + *.safetensors (+ tokenizer files);
   * a path to a ``.gguf`` file.
 
-A GGUF file served quantized (EngineConfig.quantization auto or gguf) is read raw by
-engine/quant/gguf.py; only its config and tokenizer come from transformers, once (~20 s),
-cached as ``<root>/models/<stem>-<size>-<hash of mtime+path>-meta/``. With quantization
-``none`` it is dequantized by transformers once (tens of seconds) and cached as a plain
-float32 safetensors HF folder at the same name without ``-meta``. root =
-``$PAGEDQ_CACHE_DIR`` or ``~/.cache/pagedq``. Each folder is written under a temp name and
+GGUF files are dequantized by transformers once (tens of seconds) and cached as a plain
+float32 safetensors HF folder at ``<root>/models/<stem>-<size>-<hash of mtime+path>/``,
+root = ``$PAGEDQ_CACHE_DIR`` or ``~/.cache/pagedq``: what a float32 CPU model, tensor-
+parallel ranks and quantization ``none`` load. A GGUF file served quantized is read from
+its blocks by engine/quant/gguf.py (``load_model_files(quant=...)``); only its config and
+tokenizer come from transformers then (~20 s), cached in the same way as ``<...>-meta/``. Each folder is written under a temp name and
 renamed into place (atomic), under an flock so concurrent processes write it once; a
 folder that exists is therefore complete. Later loads read it directly.
 """

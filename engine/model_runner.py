@@ -96,6 +96,17 @@ class ModelRunner:
         self.source = resolve_model(model_name_or_path, config.load_format != "dummy")
         self.quant = detect_quantization(self.source, config.quantization,
                                          config.load_format == "dummy")
+        # Quantized weights are dequantized at load (engine/quant/weights.py feed) by a
+        # float32 CPU model, which multiplies oneDNN-packed float32 weights (engine/layers/
+        # packed.py: far faster there than dequantizing every step), and by tensor-parallel
+        # ranks (a quantized layer holds one rank's whole weight). A GGUF file is then read
+        # from transformers' float32 cache of it (engine/loader.py): the values pagedq's
+        # reader gives, bit for bit (tests/test_quant_models.py), and fast to start.
+        self.dequantize_why = "float32 CPU" if self.device.type == "cpu" and \
+            self.dtype == torch.float32 else "tensor-parallel" if tp_size > 1 else None
+        files_quant = self.quant
+        if self.quant is not None and self.quant.method == "gguf" and self.dequantize_why:
+            files_quant = None
         # how the weights are held, for the ready line (None: a plain checkpoint)
         self.quant_summary: str | None = "GGUF dequantized to float by transformers " \
             "(quantization none)" if self.quant is None and self.source.kind == "gguf" \
@@ -104,7 +115,7 @@ class ModelRunner:
         # tensor-parallel: lazy tensors, so each rank reads only its slices; only the
         # driver detokenizes
         hf_config, weights, self.tokenizer = load_model_files(
-            self.source, lazy=tp_size > 1, tokenizer=rank == 0, quant=self.quant)
+            self.source, lazy=tp_size > 1, tokenizer=rank == 0, quant=files_quant)
         self.hf_config = hf_config
         model_cls = get_model_class(hf_config)
         model_cls.check_tensor_parallel(hf_config, tp_size)  # before any process starts
@@ -150,12 +161,7 @@ class ModelRunner:
         with torch.device("meta"):  # no random init: parameters are filled by load_weights
             model = model_cls(self.hf_config, max_position=self.max_model_len, tp=tp)
         model = model.to(self.dtype)
-        dense_cpu = self.device.type == "cpu" and self.dtype == torch.float32
-        # quantized weights are dequantized at load (engine/quant/weights.py feed) by a
-        # float32 CPU model, which multiplies oneDNN-packed float32 weights (engine/layers/
-        # packed.py: far faster there than dequantizing every step), and by tensor-parallel
-        # ranks (the quantized layers hold one rank's weights only)
-        why = "float32 CPU" if dense_cpu else "tensor-parallel" if tp.size > 1 else None
+        why = self.dequantize_why
         kept = set()  # the checkpoint weights kept quantized
         if self.quant is not None:
             if why is None:
@@ -172,7 +178,7 @@ class ModelRunner:
         else:
             model.load_weights(feed(weights, kept))
             quant_model.finish_load(model)
-        if dense_cpu:
+        if self.device.type == "cpu" and self.dtype == torch.float32:
             pack_model(model)  # MKL-packed copies for the GEMMs of a decode step
         self.model = model.eval()
         if tp.size > 1:

@@ -222,3 +222,26 @@ def test_dummy_weights_take_the_configs_format(tmp_path, tiny_model_dir):
     assert runner.quant_summary == "gptq int4 g32 (sym, act-order), kept quantized"
     lp = next_token_logprobs(runner, [1, 2, 3, 4, 5], chunk=2)
     assert torch.isfinite(lp).all()
+
+
+def test_pagedq_gguf_reader_gives_transformers_float_values_bit_for_bit():
+    """SmolLM2 (Q4_1 projections, a Q8_0 embedding, llama.cpp's q/k row order): every tensor
+    pagedq reads from the file, dense from the blocks and through the quantized layout,
+    equals the float32 weight transformers dequantizes (its cache: what a float32 CPU
+    model and tensor-parallel ranks load)."""
+    from pagedq.engine.loader import hf_folder, iter_safetensors, load_model_files
+    from pagedq.engine.quant import gguf
+
+    source = resolve_model("smollm2")
+    want = dict(iter_safetensors(hf_folder(source)))
+    cfg = load_model_files(source, tokenizer=False, quant=detect(source))[0]
+    seen = 0
+    for name, w in gguf.iter_weights(source.path, cfg):
+        if hasattr(w, "quantized"):
+            assert torch.equal(w.dense(), want[name]), name
+            if seen % 20 == 0:  # the quantized layout's values too (every 20th: time)
+                assert torch.equal(w.quantized().dense(), want[name]), name
+        else:
+            assert torch.equal(w.float(), want[name]), name
+        seen += 1
+    assert seen == len(want) == 272  # every tensor of the file, none left out
