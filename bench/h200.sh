@@ -3,8 +3,9 @@
 # the folder for JSON results). What each line measures is in bench/*.py's docstrings.
 #   bash bench/h200.sh [tests] [main] [ablations] [profile] [kernels] [service] [openloop]
 #                      [prefill] [rediscost] [quanttests] [quant]
-# (quant: ~4-5 min on an empty Triton cache, which it clears first: the W4A16 GEMM sweep,
-# then bf16 and int4 Llama-3.1-8B engines decoding; give it a call of its own)
+# (quant: under 5 min on an empty Triton cache, which it clears first: the W4A16 GEMM
+# sweep, then bf16 and int4 Llama-3.1-8B engines decoding; quanttests: the quantized GEMM
+# and engine tests on the GPU, a few minutes of compiles; give each a call of its own)
 # (openloop: 301 s on the H200, closed run and worker start included: give it a call of its
 # own or little beside it; it draws its PNGs where matplotlib is, else python bench/plot.py JSON)
 set -u

@@ -68,6 +68,9 @@ if SMOKE:
     DECODE, PREFILL = DECODE[:2], PREFILL[:1]
 
 
+SWEEP_DEADLINE = [float("inf")]  # candidates after it are skipped (defaults still timed)
+
+
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f} s] {msg}", flush=True)
 
@@ -128,6 +131,9 @@ def gemm_point(name: str, k: int, n: int, m: int, copy_bw: float, bits: int = 4,
                                                            default.split * 2) if 1 <= sp <= 32]
     for cfg in tried:
         if cfg.name in row["configs"]:
+            continue
+        if cfg is not default and time.perf_counter() > SWEEP_DEADLINE[0]:
+            row["configs"][cfg.name] = dict(skipped="past --sweep-budget")
             continue
         try:
             y = qm.quant_matmul(x, q, s, o, bits, group, zp, config=cfg)
@@ -335,7 +341,11 @@ def main() -> int:
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--steps", type=int, default=48, help="timed decode steps per batch")
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script")
+    ap.add_argument("--sweep-budget", type=float, default=240.0,
+                    help="seconds from the start after which the GEMM sweep times only the "
+                         "default configs (compiles on an empty cache are most of it)")
     args = ap.parse_args()
+    SWEEP_DEADLINE[0] = T0 + args.sweep_budget
     if not SMOKE and not torch.cuda.is_available():
         ap.error("needs CUDA (or --smoke)")
     res: dict = dict(device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
@@ -344,6 +354,10 @@ def main() -> int:
     res["triton"] = triton.__version__
     res["copy_GBps"] = copy_bandwidth()
     log(f"copy bandwidth {res['copy_GBps']:.0f} GB/s")
+    out = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), "results")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"quant-{time.strftime('%Y%m%d-%H%M%S')}.json")
     for part, fn in (("gemm", lambda: gemms(res["copy_GBps"], args.quick)),
                      ("tuned", lambda: tune(res.get("gemm", []))),
                      ("engine", lambda: None if args.skip_engine else
@@ -353,14 +367,12 @@ def main() -> int:
         except Exception as e:  # report what ran; the rest of the figures still print
             res[f"{part}_error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
-    res["seconds"] = time.perf_counter() - T0
+        res["seconds"] = time.perf_counter() - T0
+        with open(path, "w") as f:  # after every part: a run cut short keeps what it had
+            json.dump(res, f, indent=1)
+        if part == "gemm":
+            print(tables(res), flush=True)
     print(tables(res), flush=True)
-    out = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(
-        os.path.abspath(__file__)), "results")
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"quant-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
     log(f"wrote {path}")
     return 1 if any(k.endswith("_error") for k in res) else 0
 
