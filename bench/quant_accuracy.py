@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -35,9 +34,8 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import torch
 
-    from bench.fp8_accuracy import TEXTS, text_ids
+    from bench.fp8_accuracy import TEXTS, against, text_ids
     from pagedq.engine.config import EngineConfig
     from pagedq.engine.loader import hf_folder, resolve_model
     from pagedq.engine.model_runner import ModelRunner
@@ -73,17 +71,8 @@ def main() -> int:
         print(f"  {label} {dtype}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
         del runner
     truth = runs[("fp32 weights (truth)", "float32")]
-    target = torch.tensor(ids[1:])
-    rows = []
-    for (label, dtype), lp in runs.items():
-        kl = (truth.exp() * (truth - lp)).sum(-1)
-        nll = -lp.gather(1, target.unsqueeze(1)).squeeze(1)
-        rows.append(dict(weights=label, dtype=dtype, held=held[(label, dtype)],
-                         tokens=len(ids), mean_kl_vs_fp32=float(kl.mean()),
-                         max_kl_vs_fp32=float(kl.max()),
-                         top1_agree_vs_fp32=float((lp.argmax(-1) == truth.argmax(-1))
-                                                  .float().mean()),
-                         perplexity=math.exp(float(nll.mean()))))
+    rows = [dict(weights=label, dtype=dtype, held=held[(label, dtype)],
+                 **against(truth, lp, ids)) for (label, dtype), lp in runs.items()]
     print(f"{'weights':22s} {'dtype':9s} {'mean KL':>10s} {'max KL':>8s} {'top-1':>7s} "
           f"{'ppl':>7s}   ({len(ids)} tokens of {', '.join(TEXTS)}; truth = fp32 weights)")
     for r in rows:
