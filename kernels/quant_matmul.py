@@ -3,7 +3,7 @@ kernels/quant_layout.py, dequantized tile by tile in registers and fed to tl.dot
 
 Grid (N tiles, M tiles, splits). Each program owns a [BLOCK_M, BLOCK_N] output tile and a
 contiguous run of K tiles: decode (a few rows) has too few output tiles to keep every SM
-busy streaming weights, so its K is split and the fp32 partials [SPLIT, M, N] summed in
+busy streaming weights, so its K is split and the fp32 partials [splits, M, N] summed in
 a fixed order by a second kernel (deterministic, unlike atomics). A K tile lies inside one
 scale group when G >= BLOCK_K (one scale row per tile), or holds BLOCK_K / G groups.
 
@@ -15,8 +15,9 @@ Variants (constexpr, picked per shape by ``choose``; bench/quant.py measures the
   MAGIC  0: code -> float by conversion; 1: by OR-ing the code into the mantissa of 2**23
          (an int op and a float subtract instead of a quarter-rate conversion).
 Many rows (prefill): at >= DENSE_MIN_ROWS rows the weight is dequantized to a scratch
-[K, N] in x's dtype and multiplied by torch.matmul (cuBLAS): the dequantization is then
-a small share of the GEMM's time, and cuBLAS's GEMM is faster than a fused tile loop.
+[K, N] in x's dtype and multiplied by torch.matmul (cuBLAS): the dequantization is then a
+small share of the GEMM's time, and cuBLAS's bf16 GEMM is expected to beat a fused tile
+loop there (a guess until bench/quant.py's "dense" figures on the H200).
 """
 from __future__ import annotations
 

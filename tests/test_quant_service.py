@@ -105,7 +105,7 @@ def test_unsupported_quantization_exits_78_with_one_line(tmp_path, tiny_model_di
     assert line.startswith("pagedq: --quantization: ") and "GGUF file" in line, line
     line = config_error(pagedq("worker", "--redis-url", DEAD, env={
         "PAGEDQ_QUANTIZATION": "int3"}))
-    assert "PAGEDQ_QUANTIZATION" in line and "auto, awq, gptq, gguf or none" in line, line
+    assert "PAGEDQ_QUANTIZATION" in line and "int3" in line and "gguf" in line, line
     r = pagedq("worker", "--quantization", "int3")
     assert r.returncode == 2 and "invalid choice" in r.stderr
 

@@ -121,7 +121,6 @@ class QuantLinear(_Quantized):
                 raise ValueError("quantized layers run with tensor_parallel_size 1")
         self.shards = list(shards)
         self.col = [sum(r for _, _, r in shards[:i]) for i in range(len(shards))]
-        self.dtype = dense.weight.dtype  # the model's
         self._alloc(k, n, fmt, dense.weight.device)
         self.bias = None if dense.bias is None else nn.Parameter(torch.empty_like(dense.bias))
 
@@ -139,6 +138,7 @@ class QuantLinear(_Quantized):
             raise ShapeError(f"has shape {tuple(src.shape)}, expected {(full, self.in_features)}")
         self._fill(src, self.col[shard], "this merged projection")
 
+
 class QuantEmbedding(_Quantized):
     """The table E [V, H] as W = E^T [H, V] (V the rows, of the one rank)."""
 
@@ -147,7 +147,7 @@ class QuantEmbedding(_Quantized):
         if dense.tp.size != 1:
             raise ValueError("quantized layers run with tensor_parallel_size 1")
         self.vocab_size, self.hidden_size = dense.vocab_size, dense.hidden_size
-        self.dtype = dense.weight.dtype
+        self.dtype = dense.weight.dtype  # the model's: a lookup's rows come in it
         self._alloc(dense.hidden_size, dense.vocab_size, fmt, dense.weight.device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
