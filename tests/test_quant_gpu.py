@@ -55,4 +55,4 @@ def test_cuda_bf16_logits_close_to_the_dequantized_model(tmp_path):
                                                          enforce_eager=True))
             lp[dev] = next_token_logprobs(runner, ids, chunk=8)
         kl = (lp["cpu"].exp() * (lp["cpu"] - lp["cuda"])).sum(-1).mean().item()
-        assert kl < 2e-3, (name, kl)
+        assert kl < 1e-2, (name, kl)  # bf16 rounding alone: ~1e-3 (SmolLM2); a wrong layout: ~1
