@@ -29,6 +29,18 @@ def text_ids(tokenizer, max_tokens: int) -> list[int]:
     return tokenizer.encode(text)[:max_tokens]
 
 
+def against(truth, lp, ids: list[int]) -> dict:
+    """One configuration's next-token log-probs ``lp`` [len(ids) - 1, vocab] against the
+    truth's: mean and max KL(truth || lp), top-1 agreement, perplexity of ids[1:]."""
+    import torch
+    kl = (truth.exp() * (truth - lp)).sum(-1)
+    nll = -lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+    return dict(tokens=len(ids), mean_kl_vs_fp32=float(kl.mean()),
+                max_kl_vs_fp32=float(kl.max()),
+                top1_agree_vs_fp32=float((lp.argmax(-1) == truth.argmax(-1)).float().mean()),
+                perplexity=math.exp(float(nll.mean())))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
@@ -37,7 +49,6 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import torch
 
     from pagedq.engine.config import EngineConfig
     from pagedq.engine.model_runner import ModelRunner
@@ -58,17 +69,8 @@ def main() -> int:
         print(f"  {dtype}/{kv}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
         runner.close()  # the device memory goes before the next configuration loads
     truth = runs[("float32", "auto")]
-    target = torch.tensor(ids[1:])
-    rows = []
-    for (dtype, kv), lp in runs.items():
-        kl = (truth.exp() * (truth - lp)).sum(-1)
-        nll = -lp.gather(1, target.unsqueeze(1)).squeeze(1)
-        rows.append(dict(model_dtype=dtype, kv_cache=kv if kv != "auto" else dtype,
-                         tokens=len(ids), mean_kl_vs_fp32=float(kl.mean()),
-                         max_kl_vs_fp32=float(kl.max()),
-                         top1_agree_vs_fp32=float((lp.argmax(-1) == truth.argmax(-1))
-                                                  .float().mean()),
-                         perplexity=math.exp(float(nll.mean()))))
+    rows = [dict(model_dtype=dtype, kv_cache=kv if kv != "auto" else dtype,
+                 **against(truth, lp, ids)) for (dtype, kv), lp in runs.items()]
     print(f"{'model':9s} {'kv cache':14s} {'mean KL':>10s} {'max KL':>8s} {'top-1':>7s} "
           f"{'ppl':>7s}   ({len(ids)} tokens of {', '.join(TEXTS)}; truth = fp32/fp32)")
     for r in rows:

@@ -2,11 +2,14 @@
 # The GPU figures of issue 4 in one go (run from the repo root on the H200 machine; OUT is
 # the folder for JSON results). What each line measures is in bench/*.py's docstrings.
 #   bash bench/h200.sh [tests] [main] [ablations] [profile] [kernels] [service] [openloop]
-#                      [prefill] [rediscost] [guided] [round3]
+#                      [prefill] [rediscost] [guided] [round3] [quanttests] [quant]
 # (round3: bench/round3.py, issue 28's one call: every decode variant at workload 1's batch
 # sizes, workload 1 with the best ones, the shared-prefix A/B; ~6-7 min on an empty Triton
 # cache; run `bash bench/old_trees.sh` in a checkout first so that .whl/trees holds the old
 # engines it compares)
+# (quant: under 5 min on an empty Triton cache, which it clears first: the W4A16 GEMM
+# sweep, then bf16 and int4 Llama-3.1-8B engines decoding; quanttests: the quantized GEMM
+# and engine tests on the GPU, a few minutes of compiles; give each a call of its own)
 # (openloop: 301 s on the H200, closed run and worker start included: give it a call of its
 # own or little beside it; it draws its PNGs where matplotlib is, else python bench/plot.py JSON)
 set -u
@@ -50,6 +53,10 @@ for s in $steps; do
               2>&1 | tail -7
             timeout 300 python3 bench/guided.py engine "${tok[@]}" --no-async \
               --json "$OUT/guided-sync.json" 2>&1 | tail -7 ;;
+    quanttests) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py \
+                  tests/test_quant_gpu.py 2>&1 | tail -6 ;;  # the GEMM and engine on the GPU
+    quant) rm -rf ~/.triton/cache  # its budget includes compiling every config once
+           timeout 580 python3 bench/quant.py --out "$OUT" 2>&1 | grep -v -i warn | tail -60 ;;
     rediscost) export PAGEDQ_REDIS_SERVER=${PAGEDQ_REDIS_SERVER:-$PWD/.whl/redis-server}
                # no GPU used: 1 redis-server vs a 3-master cluster (6 partitions), generators
                # 3x for the cluster; about 1.5 minutes

@@ -8,9 +8,12 @@ Three kinds of model source, nothing is ever downloaded:
 
 GGUF files are dequantized by transformers once (tens of seconds) and cached as a plain
 float32 safetensors HF folder at ``<root>/models/<stem>-<size>-<hash of mtime+path>/``,
-root = ``$PAGEDQ_CACHE_DIR`` or ``~/.cache/pagedq``. The folder is written under a temp
-name and renamed into place (atomic), under an flock so concurrent processes dequantize
-once; a folder that exists is therefore complete. Later loads read it directly.
+root = ``$PAGEDQ_CACHE_DIR`` or ``~/.cache/pagedq``: what a float32 CPU model, tensor-
+parallel ranks and quantization ``none`` load. A GGUF file served quantized is read from
+its blocks by engine/quant/gguf.py (``load_model_files(quant=...)``); only its config and
+tokenizer come from transformers then (~20 s), cached in the same way as ``<...>-meta/``. Each folder is written under a temp name and
+renamed into place (atomic), under an flock so concurrent processes write it once; a
+folder that exists is therefore complete. Later loads read it directly.
 """
 from __future__ import annotations
 
@@ -82,12 +85,14 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedq"
 
 
-def gguf_cache_dir(gguf_path: Path) -> Path:
-    """The cached HF folder for one GGUF file; the key changes when the file changes."""
+def gguf_cache_dir(gguf_path: Path, weights: bool = True) -> Path:
+    """The cached HF folder for one GGUF file (``weights=False``: config and tokenizer
+    only); the key changes when the file changes."""
     st = gguf_path.stat()
     key = f"{_CACHE_FORMAT}:{gguf_path.resolve()}:{st.st_mtime_ns}"
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
-    return cache_root() / "models" / f"{gguf_path.stem}-{st.st_size}-{digest}"
+    return cache_root() / "models" / (f"{gguf_path.stem}-{st.st_size}-{digest}"
+                                      + ("" if weights else "-meta"))
 
 
 @contextlib.contextmanager
@@ -110,52 +115,79 @@ def _write_gguf_cache(gguf_path: Path, out: Path) -> None:
     """Dequantize with transformers (float32, CPU) and save a plain HF folder into ``out``."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder, fname = str(gguf_path.parent), gguf_path.name
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-    cfg = model.config.to_dict()
-    # the GGUF quantizer marks the model unserializable; the dequantized weights are plain
-    cfg.pop("quantization_config", None)
-    cfg.pop("_name_or_path", None)
-    cfg.pop("_model_name_or_path", None)
-    cfg["dtype"] = "float32"
-    cfg["architectures"] = [type(model).__name__]
-    rope = cfg.get("rope_parameters")
-    if isinstance(rope, dict) and "rope_theta" in rope:  # readable by transformers 4.x too
-        cfg["rope_theta"] = rope["rope_theta"]
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out)
+    cfg = _save_config(model.config, type(model).__name__, model.generation_config, out)
     tensors = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue  # shares storage with model.embed_tokens.weight
         tensors[name] = t.detach().to(torch.float32).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _save_tokenizer(gguf_path, out)
+
+
+def _write_gguf_meta(gguf_path: Path, out: Path) -> None:
+    """The GGUF file's config, generation config and tokenizer (no weights) into ``out``."""
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    with quiet_transformers():
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "")
+    _save_config(config, arch, GenerationConfig.from_model_config(config), out)
+    _save_tokenizer(gguf_path, out)
+
+
+def _save_config(config, arch: str, generation_config, out: Path) -> dict:
+    """config.json (+ generation_config.json) of a GGUF file's model, as a plain folder's."""
+    cfg = config.to_dict()
+    # the GGUF quantizer marks the model unserializable; the folder's weights are plain
+    cfg.pop("quantization_config", None)
+    cfg.pop("_name_or_path", None)
+    cfg.pop("_model_name_or_path", None)
+    cfg["dtype"] = "float32"
+    cfg["architectures"] = [arch]
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:  # readable by transformers 4.x too
+        cfg["rope_theta"] = rope["rope_theta"]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    if generation_config is not None:
+        generation_config.save_pretrained(out)
+    return cfg
+
+
+def _save_tokenizer(gguf_path: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    with quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(out)
     out.chmod(0o755)  # mkdtemp made it private; the cache is shared like any ~/.cache entry
     for f in out.iterdir():
         f.chmod(0o644)
 
 
-def ensure_gguf_cache(gguf_path: Path) -> tuple[Path, bool]:
-    """Return (cached HF folder, whether it was already there)."""
-    final = gguf_cache_dir(gguf_path)
+def ensure_gguf_cache(gguf_path: Path, weights: bool = True) -> tuple[Path, bool]:
+    """Return (cached HF folder, whether it was already there); ``weights=False``: the
+    folder of its config and tokenizer only."""
+    final = gguf_cache_dir(gguf_path, weights)
     if final.is_dir():
         return final, True
     final.parent.mkdir(parents=True, exist_ok=True)
     stage(f"dequantizing {gguf_path.name} to float32 (first start only, then cached in "
-          f"{final.parent})")
+          f"{final.parent})" if weights else f"reading the config and tokenizer of "
+          f"{gguf_path.name} (first start only, then cached in {final.parent})")
     with open(final.parent / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be writing it right now
         if final.is_dir():
             return final, True
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
         try:
-            _write_gguf_cache(gguf_path, tmp)
+            (_write_gguf_cache if weights else _write_gguf_meta)(gguf_path, tmp)
             os.rename(tmp, final)  # atomic: readers see nothing or the complete folder
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -224,21 +256,35 @@ def load_tokenizer(folder: Path):
         return AutoTokenizer.from_pretrained(str(folder))
 
 
-def load_model_files(source: ModelSource, *, lazy: bool = False, tokenizer: bool = True):
+def load_model_files(source: ModelSource, *, lazy: bool = False, tokenizer: bool = True,
+                     quant=None):
     """(hf_config, iterator of (name, tensor), tokenizer or None) from a ModelSource.
 
     Tensors come as stored (float32 for dequantized GGUF); the model's weight loader
     casts each to the engine dtype/device while copying, one tensor at a time.
     ``lazy``: LazyTensors instead (tensor-parallel ranks read only their slices);
-    ``tokenizer=False``: no tokenizer is loaded (None).
+    ``tokenizer=False``: no tokenizer is loaded (None). ``quant``: the checkpoint's
+    engine/quant QuantSpec: its quantized weights come as QuantTensors
+    (engine/quant/weights.py, engine/quant/gguf.py).
     """
     from transformers import AutoConfig, GenerationConfig
-    folder = hf_folder(source)
+    gguf_quantized = quant is not None and source.kind == "gguf"
+    folder = ensure_gguf_cache(source.path, weights=False)[0] if gguf_quantized \
+        else hf_folder(source)
     with quiet_transformers():
         hf_config = AutoConfig.from_pretrained(str(folder))
         if (folder / "generation_config.json").is_file():
             gen = GenerationConfig.from_pretrained(str(folder))
             # kept next to the config so eos ids from generation_config are not lost
             hf_config.pagedq_generation_eos = gen.eos_token_id
-    weights = iter_safetensors_lazy(folder) if lazy else iter_safetensors(folder)
+    if gguf_quantized:
+        from pagedq.engine.quant import gguf
+        weights = gguf.iter_weights(source.path, hf_config)
+    elif quant is not None:
+        from pagedq.engine.quant import detect
+        from pagedq.engine.quant import weights as quant_weights
+        weights = quant_weights.iter_weights(folder, quant, detect.quant_config(folder)[1],
+                                             iter_safetensors(folder))
+    else:
+        weights = iter_safetensors_lazy(folder) if lazy else iter_safetensors(folder)
     return hf_config, weights, load_tokenizer(folder) if tokenizer else None

@@ -45,6 +45,9 @@ from pagedq.engine.models import get_model_class
 from pagedq.engine.parallel import SINGLE
 from pagedq.engine.piecewise import PiecewiseGraphs
 from pagedq.engine.progress import stage
+from pagedq.engine.quant import model as quant_model
+from pagedq.engine.quant.detect import detect as detect_quantization
+from pagedq.engine.quant.weights import feed
 from pagedq.engine.sampling_params import SamplingParams
 from pagedq.engine.sequence import Sequence
 from pagedq.kernels.layout import transposed_view
@@ -99,11 +102,28 @@ class ModelRunner:
             self.kv_cache_dtype = torch.float8_e4m3fn
 
         self.source = resolve_model(model_name_or_path, config.load_format != "dummy")
+        self.quant = detect_quantization(self.source, config.quantization,
+                                         config.load_format == "dummy")
+        # Quantized weights are dequantized at load (engine/quant/weights.py feed) by a
+        # float32 CPU model, which multiplies oneDNN-packed float32 weights (engine/layers/
+        # packed.py: far faster there than dequantizing every step), and by tensor-parallel
+        # ranks (a quantized layer holds one rank's whole weight). A GGUF file is then read
+        # from transformers' float32 cache of it (engine/loader.py): the values pagedq's
+        # reader gives, bit for bit (tests/test_quant_models.py), and fast to start.
+        self.dequantize_why = "float32 CPU" if self.device.type == "cpu" and \
+            self.dtype == torch.float32 else "tensor-parallel" if tp_size > 1 else None
+        files_quant = self.quant
+        if self.quant is not None and self.quant.method == "gguf" and self.dequantize_why:
+            files_quant = None
+        # how the weights are held, for the ready line (None: a plain checkpoint)
+        self.quant_summary: str | None = "GGUF dequantized to float by transformers " \
+            "(quantization none)" if self.quant is None and self.source.kind == "gguf" \
+            else None
         stage("reading the model's config and tokenizer")
         # tensor-parallel: lazy tensors, so each rank reads only its slices; only the
         # driver detokenizes
         hf_config, weights, self.tokenizer = load_model_files(
-            self.source, lazy=tp_size > 1, tokenizer=rank == 0)
+            self.source, lazy=tp_size > 1, tokenizer=rank == 0, quant=files_quant)
         self.hf_config = hf_config
         model_cls = get_model_class(hf_config)
         model_cls.check_tensor_parallel(hf_config, tp_size)  # before any process starts
@@ -158,12 +178,24 @@ class ModelRunner:
         config, tp = self.config, self.tp
         with torch.device("meta"):  # no random init: parameters are filled by load_weights
             model = model_cls(self.hf_config, max_position=self.max_model_len, tp=tp)
-        model = model.to(self.dtype).to_empty(device=self.device)
-        stage(f"loading weights to {self.device} {str(self.dtype).removeprefix('torch.')}")
+        model = model.to(self.dtype)
+        why = self.dequantize_why
+        kept = set()  # the checkpoint weights kept quantized
+        if self.quant is not None:
+            if why is None:
+                kept = quant_model.quantize(model, self.quant)
+            self.quant_summary = self.quant.summary() + (
+                f", dequantized at load ({why})" if why else
+                ", kept quantized" if kept else ": no layer kept quantized")
+        model = model.to_empty(device=self.device)  # (quantized buffers keep their dtypes)
+        stage(f"loading weights to {self.device} {str(self.dtype).removeprefix('torch.')}"
+              + (f" ({self.quant.summary()}, dequantized: {why})" if self.quant and why
+                 else ""))
         if config.load_format == "dummy":
             _init_dummy(model, seed=tp.rank)
         else:
-            model.load_weights(weights)
+            model.load_weights(feed(weights, kept))
+            quant_model.finish_load(model)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             pack_model(model)  # MKL-packed copies for the GEMMs of a decode step
         self.model = model.eval()
@@ -489,3 +521,4 @@ def _init_dummy(model: torch.nn.Module, seed: int = 0) -> None:
             p.fill_(1.0)
         else:
             p.normal_(0.0, 0.02, generator=gen)
+    quant_model.init_dummy(model, gen)  # quantized layers: random codes and scales

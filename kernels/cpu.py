@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedq.kernels import reference
+from pagedq.kernels import quant_layout, reference
 from pagedq.kernels.cpu_sampling import (  # noqa: F401  (ops of this module)
     apply_token_bitmask,
     gumbel_argmax,
@@ -311,3 +311,19 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
                                      k_scale, v_scale)
 
 
+
+
+def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 offsets: torch.Tensor | None, bits: int, group_size: int, zero_point: int,
+                 bias: torch.Tensor | None = None,
+                 perm: torch.Tensor | None = None) -> torch.Tensor:
+    """The twin's contract, dequantized on the fly: W in x's dtype, then F.linear, so a
+    CPU model with quantized weights computes exactly what the same model with those
+    weights dequantized to its dtype computes: the same rounding of W, the same GEMM on the
+    same [N, K] layout, and act-order rows put back in the checkpoint's order (not x's
+    columns permuted), so the same summation order too."""
+    w = quant_layout.dequantize(qweight, scales, offsets, bits, group_size, zero_point)
+    if perm is not None:
+        w = w.index_select(0, torch.argsort(perm.long()))
+    return F.linear(x, w.t().to(x.dtype).contiguous(),
+                    None if bias is None else bias.to(x.dtype))

@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from pagedq.kernels import quant_layout
+
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -216,3 +218,17 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
     sub = logits[rows, :vocab_size]
     logits[rows, :vocab_size] = sub.masked_fill(~allowed, float("-inf"))
+
+
+def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 offsets: torch.Tensor | None, bits: int, group_size: int, zero_point: int,
+                 bias: torch.Tensor | None = None,
+                 perm: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = x[:, perm] @ W (+ bias) in x's dtype, W [K, N] the float32 weight of the
+    quantized layout (kernels/quant_layout.py), product and sum in float32."""
+    w = quant_layout.dequantize(qweight, scales, offsets, bits, group_size, zero_point)
+    xf = (x if perm is None else x[:, perm.long()]).float()
+    y = xf @ w
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)

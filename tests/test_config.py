@@ -188,6 +188,7 @@ def _sample(name: str) -> typing.Any:
     """A valid value of a setting other than its default."""
     special = {"model": "/models/x-1", "served_name": "srv", "device": "cpu",
                "dtype": "float16", "load_format": "dummy", "kv_cache_dtype": "fp8",
+               "quantization": "gptq",
                "scheduling_policy": "fcfs", "block_size": 32, "gpu_memory_utilization": 0.5,
                "redis_url": "redis://elsewhere:7000/3", "prefix": "pfx",
                "lanes": ["hi", "lo"], "metrics_host": "0.0.0.0", "log_level": "debug",

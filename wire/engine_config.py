@@ -5,10 +5,8 @@ config file keys, `pagedq config` and docs/configuration.md. It lives outside th
 package so that `pagedq`'s command line reads it without importing the engine
 (tests/test_architecture.py). Standard library only: no pydantic, no redis, no torch.
 
-A new engine setting is one field here (and the code that uses it):
-
-    quantization: str = setting("auto", "model", "weights' quantization scheme",
-                                choices=("auto", "awq", "gptq", "gguf", "none"))
+A new engine setting is one field here (and the code that uses it), like ``quantization``
+below; then ``python -m pagedq.worker.config_doc`` rewrites docs/configuration.md's tables.
 """
 from __future__ import annotations
 
@@ -32,6 +30,17 @@ class EngineConfig:
     load_format: str = setting(
         "auto", "model", "`dummy`: random weights from config.json alone (benchmarks: no "
         "checkpoint needed)", choices=("auto", "dummy"), flag_choices=True)
+    # how the checkpoint's weights are held (engine/quant/): "auto" = what the checkpoint is
+    # (config.json quantization_config, quantize_config.json, a .gguf file's types); "awq" /
+    # "gptq" / "gguf" = that, or an error if the checkpoint is not; "none" = plain weights
+    # (a .gguf file dequantized to float by transformers at load)
+    quantization: str = setting(
+        "auto", "model", "how the weights are held: AWQ, GPTQ and GGUF Q4_0/Q4_1/Q8_0 "
+        "checkpoints stay quantized on the GPU (dequantized at load on the CPU in float32 and "
+        "with tensor parallelism); `none`: plain weights (a `.gguf` file dequantized to "
+        "float); another method is a configuration error",
+        choices=("auto", "awq", "gptq", "gguf", "none"), flag_choices=True,
+        default_help="as the checkpoint is quantized")
     kv_cache_dtype: str = setting(
         "auto", "model", "`fp8`: a float8_e4m3 KV cache, unit scale, twice the tokens per "
         "GiB (accuracy: docs/benchmarks.md); `fp8_e4m3` is the same",

@@ -173,14 +173,23 @@ def check_config(args: argparse.Namespace) -> Resolved:
 
 
 def check_model(cfg: Resolved) -> None:
-    """The model exists here (a name, folder or file), before anything loads: no torch.
+    """The model exists here (a name, folder or file) and its quantization is one pagedq
+    serves (and the one asked for), before anything loads: no torch.
     Not part of check_config: `pagedq config` may describe another machine's worker."""
     from pagedq.engine.loader import resolve_model
+    from pagedq.engine.quant.detect import detect
 
+    dummy = cfg.worker.load_format == "dummy"
     try:
-        resolve_model(cfg.worker.model, cfg.worker.load_format != "dummy")
+        source = resolve_model(cfg.worker.model, not dummy)
     except ValueError as e:
         raise ConfigError(f"{cfg.origin('model')}: {e}") from None
+    try:  # its quantization (config files, a GGUF index): no weights read
+        detect(source, cfg.worker.quantization, dummy)
+    except ValueError as e:
+        where = cfg.origin("quantization") if cfg.sources.get("quantization", "default") \
+            != "default" else cfg.origin("model")
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def build_engine(cfg: Resolved, on_stage=None):

@@ -107,7 +107,8 @@ def describe(engine: Any, cfg: Any, worker_id: str) -> str:
     prefixes = ",".join(s.served_prefixes)
     return " | ".join([
         f"worker {worker_id}",
-        f"model {s.model} on {r.device}, {dtype}",
+        f"model {s.model} on {r.device}, {dtype}"
+        + (f", {r.quant_summary}" if r.quant_summary else ""),
         kv,
         f"max {c.max_num_seqs} seqs, {c.max_num_batched_tokens:,} tokens/step, "
         f"context {engine.max_model_len:,}"

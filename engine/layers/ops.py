@@ -31,6 +31,7 @@ TRITON_MODULES = {
     "gumbel_argmax": "pagedq.kernels.sampling",
     "apply_token_bitmask": "pagedq.kernels.sampling",
     "silu_and_mul": "pagedq.kernels.activation",
+    "quant_matmul": "pagedq.kernels.quant_matmul",
 }
 
 _use_triton = False
@@ -148,3 +149,10 @@ def apply_token_bitmask(logits, bitmask, rows, vocab_size):
 
 def silu_and_mul(x):
     return _op("silu_and_mul", x)(x)
+
+
+def quant_matmul(x, qweight, scales, offsets, bits, group_size, zero_point, bias=None,
+                 perm=None):
+    """x [M, K] @ a quantized W [K, N] (kernels/quant_layout.py) -> [M, N] in x's dtype."""
+    return _op("quant_matmul", x)(x, qweight, scales, offsets, bits, group_size, zero_point,
+                                  bias, perm)

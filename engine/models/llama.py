@@ -27,6 +27,7 @@ from pagedq.engine.layers.linear import (
     vocab_parallel_logits,
 )
 from pagedq.engine.layers.norm import RMSNorm
+from pagedq.engine.layers.quant_linear import QuantEmbedding, quantized_layers
 from pagedq.engine.layers.rotary import RotaryEmbedding, rope_params
 from pagedq.engine.loader import materialize
 from pagedq.engine.parallel import SINGLE, TensorParallel, check_heads, head_slice, split
@@ -148,6 +149,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = head_slice(nh, nkv, tp.size, tp.rank).kv_count  # this rank's
 
     qk_norm = False
+    stacked = STACKED  # HF projections -> merged layers (engine/quant/model.py reads it)
 
     @staticmethod
     def check_tensor_parallel(cfg, size: int) -> None:
@@ -191,14 +193,18 @@ class LlamaForCausalLM(nn.Module):
         rank 0 gets [N, vocab rounded up to a multiple of the ranks] (columns past the vocab
         are padding), the other ranks None."""
         head = self.logits_head()
+        if isinstance(head, QuantEmbedding):  # weights kept quantized (one rank)
+            return head.logits(hidden)
         return vocab_parallel_logits(hidden, head.weight, self.tp, head.packed)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (or loader.LazyTensors) into our parameters, each layer
         taking its rank's slice (casting to their dtype/device). ValueError on an unknown
-        name, a shape mismatch or a missing parameter."""
-        params = dict(self.named_parameters())
+        name, a shape mismatch or a missing parameter. A quantized layer
+        (engine/layers/quant_linear.py) loads its weight, a QuantTensor, under the same
+        name as a plain one."""
+        params = {**dict(self.named_parameters()), **quantized_layers(self)}
         modules = dict(self.named_modules())
         expected = {(n, s) for n in params for s in range(
             3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 1)}
