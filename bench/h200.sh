@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of issue 4 in one go (run from the repo root on the H200 machine; OUT is
 # the folder for JSON results). What each line measures is in bench/*.py's docstrings.
-#   bash bench/h200.sh [tests] [main] [ablations] [profile] [kernels] [service] [openloop]
+#   bash bench/h200.sh [tests] [gputests] [main] [ablations] [profile] [kernels] [service] [openloop]
 #                      [prefill] [rediscost] [guided] [round3] [quanttests] [quant]
 # (round3: bench/round3.py, issue 28's one call: every decode variant at workload 1's batch
 # sizes, workload 1 with the best ones, the shared-prefix A/B; ~6-7 min on an empty Triton
@@ -21,6 +21,16 @@ for s in $steps; do
   case $s in
     tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
              tests/test_gpu_engine.py tests/test_model.py tests/test_sampler.py 2>&1 | tail -4 ;;
+    gputests) # every test file with CUDA cases, whole, in two concurrent groups (kernels;
+              # engines and models: compiles are CPU-bound, 16 cores), logs under $OUT
+              grp() { local name=$1; shift
+                      timeout 520 python3 -m pytest -q -p no:cacheprovider -rs "$@" \
+                        > "$OUT/gputests-$name.log" 2>&1; echo "$name rc=$?" >> "$OUT/gputests-$name.log"; }
+              grp kernels tests/test_kernels.py tests/test_decode_variants.py \
+                tests/test_quant_kernels.py tests/test_kv_fp8.py &
+              grp engines tests/test_gpu_engine.py tests/test_model.py tests/test_gpu_metrics.py \
+                tests/test_quant_gpu.py tests/test_sampler.py tests/test_engine_close.py &
+              wait; for f in "$OUT"/gputests-*.log; do tail -3 "$f"; grep -E "^(FAILED|ERROR)" "$f" | head -20; done ;;
     main) rm -rf ~/.triton/cache  # first process on an empty Triton cache, as on a new machine
           off --num-seqs 256; off --num-seqs 256 --kv-cache-dtype fp8
           off --shape llama-3.2-1b --num-seqs 128; off --shape llama-3.1-8b --num-seqs 32 ;;
