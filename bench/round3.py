@@ -66,7 +66,7 @@ SHARED = dict(B=3, blocks=2, extra=(1, 20)) if SMOKE else dict(B=256, blocks=128
                                                                 extra=(33, 160))
 BASE = "16bit=tile"
 VARIANTS = ("16bit=tile", "16bit=tile:st=3", "16bit=swap", "fp8=tile", "fp8=tile:bn=32",
-            "fp8=swap", "fp8=swap8", "fp8=swap8:st=2", "fp8=swap8:bn=128", "fp8=swap8:sm=8",
+            "fp8=swap8", "fp8=swap8:st=2", "fp8=swap8:bn=128", "fp8=swap8:sm=8",
             "fp8=swap8:w=8")
 SMOKE_VARIANTS = ("16bit=tile", "16bit=swap", "fp8=tile", "fp8=swap8", "fp8=swap8:bn=32")
 MIN_SET_BYTES = 200 << 20  # fp8 KV bytes per graph pass: 4x the H200's L2 (smoke: 2 sets)

@@ -281,6 +281,11 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
     if mma8 and not (is8 and (v_t or f32_dot)):  # (e4m3 operands must be K-major)
         raise ValueError(f"paged_decode_attention: variant {variant!r} needs a float8_e4m3fn "
                          "cache with V in the transposed layout (kernels/layout.py)")
+    if swap and fp8 and not mma8:
+        # on an H200 (Triton 3.6) this form read out of bounds: non-finite outputs, then an
+        # illegal address (docs/benchmarks.md, "Decode variants"); its interpreter runs pass
+        raise ValueError(f"paged_decode_attention: variant {variant!r} converts an fp8 "
+                         "cache's tiles, which failed on the GPU: use swap8 or tile")
     if block_n is None:
         block_n = 64 if d <= 128 else 32
     if mma8 and (block_n < 32 or d < 32):
