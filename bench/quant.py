@@ -52,13 +52,19 @@ T0 = time.perf_counter()
 # Llama-3.1-8B's projections: name -> (K, N) of W [K, N]
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 ROWS = (1, 8, 32, 256, 2048)
-DECODE = [qm.Config(16, 64, 128), qm.Config(16, 64, 128, unpack=1),
+# the interleaved tiles (unpack=2) first: a sweep cut short by --sweep-budget still times them
+DECODE = [qm.Config(16, 64, 128, unpack=2), qm.Config(16, 128, 128, unpack=2),
+          qm.Config(16, 64, 256, unpack=2), qm.Config(16, 32, 128, unpack=2),
+          qm.Config(16, 128, 256, warps=8, unpack=2), qm.Config(32, 64, 128, unpack=2),
+          qm.Config(16, 64, 128), qm.Config(16, 64, 128, unpack=1),
           qm.Config(16, 64, 128, magic=0), qm.Config(16, 128, 128),
           qm.Config(16, 128, 128, unpack=1), qm.Config(16, 32, 128, stages=4),
           qm.Config(16, 64, 256, unpack=1), qm.Config(16, 128, 256, warps=8, unpack=1),
           qm.Config(16, 64, 128, stages=4), qm.Config(16, 64, 128, warps=2),
           qm.Config(32, 64, 128), qm.Config(32, 128, 128, unpack=1)]
-PREFILL = [qm.Config(64, 128, 64, split=1), qm.Config(128, 128, 64, split=1, warps=8),
+PREFILL = [qm.Config(64, 128, 128, split=1, unpack=2),
+           qm.Config(128, 128, 128, split=1, warps=8, unpack=2),
+           qm.Config(64, 128, 64, split=1), qm.Config(128, 128, 64, split=1, warps=8),
            qm.Config(128, 256, 64, split=1, warps=8),
            qm.Config(128, 128, 128, split=1, warps=8, stages=2),
            qm.Config(64, 128, 128, split=1, unpack=1),

@@ -11,7 +11,13 @@ Variants (constexpr, picked per shape by ``choose``; bench/quant.py measures the
   UNPACK 0: each of the tile's K rows loads its packed word (P rows share one: cached)
            and its group's scale; no reshape anywhere (the default);
          1: each word (and scale row) loaded once, split into its P codes (broadcast over
-           its group's rows) by a reshape.
+           its group's rows) by a reshape;
+         2: no [BLOCK_K, BLOCK_N] weight at all: a K tile's words [BLOCK_K / P, BLOCK_N]
+           hold P interleaved sub-matrices (code j of word p is row p * P + j), each
+           dequantized where it lies and multiplied by x's matching columns (P dots of K
+           = BLOCK_K / P >= 16); each word and scale loaded once, no reshape. Needs
+           GROUP % P == 0 (a word's P rows share a group) and BLOCK_K >= 16 * P, else
+           the launch runs 0.
   MAGIC  0: code -> float by conversion; 1: by OR-ing the code into the mantissa of 2**23
          (an int op and a float subtract instead of a quarter-rate conversion).
 Many rows (prefill): at >= DENSE_MIN_ROWS rows the weight is dequantized to a scratch
@@ -119,6 +125,45 @@ def _dequant_tile(q_ptr, s_ptr, o_ptr, t, offs_n, n_ok, N, K, NG,
     return w
 
 
+@triton.jit
+def _interleaved_tile(acc, x_rows, q_ptr, s_ptr, o_ptr, perm_ptr, t, m_ok, offs_n, n_ok, N, K,
+                      BITS: tl.constexpr, GROUP: tl.constexpr, ZP: tl.constexpr,
+                      HAS_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, F32_DOT: tl.constexpr,
+                      MAGIC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + x[:, K tile t] @ W[K tile t, offs_n] by UNPACK 2 (module doc): word p's code j is
+    row p * P + j, so the tile is P sub-matrices [BLOCK_K / P, BLOCK_N] of the same words,
+    each with the words' one scale row per word (GROUP % P == 0). Rows past K load as 0."""
+    P: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    KP: tl.constexpr = BLOCK_K // P
+    offs_p = t * KP + tl.arange(0, KP)
+    p_ok = offs_p < K // P  # K is a multiple of P (quant_layout.check)
+    wmask = p_ok[:, None] & n_ok[None, :]
+    words = tl.load(q_ptr + offs_p[:, None] * N + offs_n[None, :], mask=wmask, other=0)
+    gptr = ((offs_p * P) // GROUP)[:, None] * N + offs_n[None, :]
+    s = tl.load(s_ptr + gptr, mask=wmask, other=0.0).to(tl.float32)
+    if HAS_OFFSET:
+        o = tl.load(o_ptr + gptr, mask=wmask, other=0.0).to(tl.float32)
+    for j in tl.static_range(P):
+        codes = (words >> (j * BITS)) & MASK
+        if MAGIC:  # 2**23 + code as a float's bits, minus 2**23 (exact)
+            w = (codes | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + ZP)
+        else:
+            w = (codes - ZP).to(tl.float32)
+        w = w * s
+        if HAS_OFFSET:
+            w += o
+        rows = offs_p * P + j
+        if HAS_PERM:  # act-order: x's columns in W's row order
+            rows = tl.load(perm_ptr + rows, mask=p_ok, other=0)
+        x = tl.load(x_rows + rows[None, :], mask=m_ok[:, None] & p_ok[None, :], other=0.0)
+        if F32_DOT:
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "tiles_per_split"])
 def _qmm_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr,
                 M, N, K, NG, s_xm, s_ym, tiles_per_split,
@@ -139,22 +184,28 @@ def _qmm_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr,
     t0 = pid_k * tiles_per_split
     t1 = tl.minimum(t0 + tiles_per_split, tl.cdiv(K, BLOCK_K))
     for t in range(t0, t1):
-        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        if HAS_PERM:  # act-order: x's columns in W's row order
-            src = tl.load(perm_ptr + offs_k, mask=k_ok, other=0)
+        if UNPACK == 2:
+            acc = _interleaved_tile(acc, x_rows, q_ptr, s_ptr, o_ptr, perm_ptr, t, m_ok,
+                                    offs_n, n_ok, N, K, BITS, GROUP, ZP, HAS_OFFSET, HAS_PERM,
+                                    F32_DOT, MAGIC, BLOCK_K)
         else:
-            src = offs_k
-        if EVEN_K:
-            x = tl.load(x_rows + src[None, :], mask=m_ok[:, None], other=0.0)
-        else:
-            x = tl.load(x_rows + src[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = _dequant_tile(q_ptr, s_ptr, o_ptr, t, offs_n, n_ok, N, K, NG, BITS, GROUP, ZP,
-                          HAS_OFFSET, EVEN_K, UNPACK, MAGIC, BLOCK_K, BLOCK_N)
-        if F32_DOT:
-            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w.to(x.dtype))
+            offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            if HAS_PERM:  # act-order: x's columns in W's row order
+                src = tl.load(perm_ptr + offs_k, mask=k_ok, other=0)
+            else:
+                src = offs_k
+            if EVEN_K:
+                x = tl.load(x_rows + src[None, :], mask=m_ok[:, None], other=0.0)
+            else:
+                x = tl.load(x_rows + src[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+            w = _dequant_tile(q_ptr, s_ptr, o_ptr, t, offs_n, n_ok, N, K, NG, BITS, GROUP, ZP,
+                              HAS_OFFSET, EVEN_K, UNPACK, MAGIC, BLOCK_K, BLOCK_N)
+            if F32_DOT:
+                acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w.to(x.dtype))
     out_mask = m_ok[:, None] & n_ok[None, :]
     if not PARTIALS:
         if HAS_BIAS:
@@ -220,6 +271,13 @@ def fit_block_k(block_k: int, group_size: int) -> int:
     return 0
 
 
+def interleaves(block_k: int, bits: int, group_size: int) -> bool:
+    """UNPACK 2 applies: a word's codes share a group, and each of the tile's P dots has a
+    K of at least 16."""
+    p = quant_layout.pack_factor(bits)
+    return group_size % p == 0 and block_k >= 16 * p
+
+
 def row_bucket(m: int) -> int | None:
     return next((b for b in ROW_BUCKETS if m <= b), None)
 
@@ -281,6 +339,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     cfg = config or choose(m, n, k, group_size, num_sms(x.device))
     if cfg.split == 0:
         cfg = fitted(cfg, m, n, k, group_size, num_sms(x.device))
+    if cfg.unpack == 2 and not interleaves(cfg.block_k, bits, group_size):
+        cfg = replace(cfg, unpack=0)
     k_tiles = triton.cdiv(k, cfg.block_k)
     per = triton.cdiv(k_tiles, cfg.split)
     split = triton.cdiv(k_tiles, per)  # no split without a K tile

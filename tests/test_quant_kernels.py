@@ -99,7 +99,9 @@ def test_quant_matmul_matches_twin(bits, group, zp, odt, perm, bias, m):
 VARIANTS = [qm.Config(16, 32, 64, unpack=u, magic=g) for u in (0, 1) for g in (0, 1)] + [
     qm.Config(16, 64, 128, split=4), qm.Config(32, 32, 32, split=3, unpack=1),
     qm.Config(64, 32, 64, split=1), qm.Config(16, 32, 256, split=2),
-    qm.Config(16, 32, 256, split=2, unpack=1)]
+    qm.Config(16, 32, 256, split=2, unpack=1), qm.Config(16, 32, 128, unpack=2),
+    qm.Config(16, 64, 256, split=2, unpack=2, magic=0), qm.Config(32, 32, 128, split=1, unpack=2),
+    qm.Config(16, 32, 64, unpack=2)]  # the last: BLOCK_K too small for 4-bit, runs unpack 0
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: c.name)
@@ -176,3 +178,18 @@ def test_cpu_path_computes_what_the_dequantized_layer_does(dtype):
     assert torch.equal(cpu.quant_matmul(x, q, s, o, 4, 32, 0, b, p), want)
     ref = reference.quant_matmul(x, q, s, o, 4, 32, 0, b, p)
     assert relerr(want, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("bits,group,zp", [(8, 32, 128), (4, 64, 8), (8, 128, 0)])
+def test_interleaved_tiles_for_both_widths(bits, group, zp):
+    """UNPACK 2 (P dots over a tile's interleaved codes) for 8-bit and 4-bit codes, with and
+    without offsets and act-order, equals the twin."""
+    k, n, m = 256, 48, 5
+    offs = torch.float16 if zp == 0 else None
+    q, s, o, p = make_weight(k, n, bits, group, zp, offs, perm=bits == 8, seed=3)
+    x = torch.randn(m, k, device=DEV).half()
+    ref = reference.quant_matmul(x, q, s, o, bits, group, zp, None, p)
+    cfg = qm.fitted(qm.Config(16, 32, 16 * 32 // bits, unpack=2), m, n, k, group, 8)
+    assert qm.interleaves(cfg.block_k, bits, group)
+    got = qm.quant_matmul(x, q, s, o, bits, group, zp, None, p, config=cfg)
+    assert relerr(got, ref) < TOL[torch.float16], cfg
