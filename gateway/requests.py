@@ -1,7 +1,8 @@
 """An HTTP request body of /v1/completions or /v1/chat/completions -> the JobRequest it
 submits, and what the response needs (stream or not, usage, logprobs, detach, resume).
 
-The body is OpenAI's; what JobRequest takes beyond it (``top_k``, ``min_p``,
+The body is OpenAI's (``response_format``, ``tools``, ``tool_choice``,
+``parallel_tool_calls``, ``logit_bias`` included); what JobRequest takes beyond it (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``priority``,
 ``lane``, ``timeout_s``, ``metadata``) is accepted too, as vLLM accepts its extras. The
 endpoint shape is wire/openai_api.py's (shared with batch files). Fields of the
@@ -28,6 +29,7 @@ from pagedq.wire.keys import JOB_ID_RE, new_job_id
 from pagedq.wire.openai_api import body_problem
 from pagedq.wire.schema import JobRequest, describe
 from pagedq.wire.scripts import queued_tokens_of
+from pagedq.wire.tools import check_output, mode
 
 from .errors import APIError, bad_request
 
@@ -52,6 +54,11 @@ class Generation:
     @property
     def logprobs(self) -> bool:
         return self.req.logprobs is not None
+
+    @property
+    def tools(self) -> bool:
+        """The job's tools are active: its output may be calls (wire/tools.py)."""
+        return mode(self.req.tools, self.req.tool_choice) is not None
 
     def est_tokens(self) -> int:
         """What the request may cost: prompt characters / 4 + max_tokens for each choice."""
@@ -122,6 +129,7 @@ def generation(kind: str, body: dict[str, Any], default_model: str,
         if not stream:
             raise bad_request("Last-Event-ID resumes a stream: send stream: true",
                               "Last-Event-ID")
+    guided_by = "response_format" if "response_format" in data else "guided"
     data.update(id=job_id or new_job_id(partitions), model=model)
     try:
         req = JobRequest.model_validate(data)
@@ -130,4 +138,9 @@ def generation(kind: str, body: dict[str, Any], default_model: str,
         head = msg.split(":", 1)[0]
         raise APIError(400, msg, "invalid_request",
                        head if head and " " not in head else None) from None
+    try:  # before anything is queued (the client checks again: remembered, no cost)
+        check_output(req.guided, req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ValueError as e:
+        raise APIError(400, f"{e} (the output's grammar does not compile)", "invalid_request",
+                       "tools" if str(e).startswith("tools") else guided_by) from None
     return Generation(kind, req, stream, include_usage, detach, resume)

@@ -10,16 +10,23 @@ from pydantic import ValidationError
 from pagedq.wire.errors import InvalidRequest
 from pagedq.wire.keys import check_job_id, new_job_id
 from pagedq.wire.schema import JobRequest, describe
+from pagedq.wire.tools import check_output
 
 
 def validate_request(data: dict[str, Any] | JobRequest) -> JobRequest:
-    """Validate (again, if already a model: it may have been built unvalidated)."""
+    """Validate (again, if already a model: it may have been built unvalidated), and
+    compile its guided or tools' output spec (llguidance, no torch: a spec that cannot
+    compile is refused here, before anything is queued)."""
     if isinstance(data, JobRequest):
         data = data.model_dump(exclude_none=True)
     try:
-        return JobRequest.model_validate(data)
+        req = JobRequest.model_validate(data)
+        check_output(req.guided, req.tools, req.tool_choice, req.parallel_tool_calls)
     except ValidationError as e:
         raise InvalidRequest("invalid job request: " + describe(e)) from None
+    except ValueError as e:
+        raise InvalidRequest(f"invalid job request: {e}") from None
+    return req
 
 
 def build_request(prompt: str | list[int] | None, messages: list[Any] | None, model: str,
