@@ -19,6 +19,10 @@ its kind: ``{"json_schema": {...the schema...}}``, ``{"json_object": true}``,
 ``{"regex": "..."}``, ``{"choice": ["a", "b"]}``, ``{"grammar": "..."}`` (``of_wire`` /
 ``to_wire``; OpenAI's ``response_format`` is mapped onto it, wire/schema.py).
 
+An object schema that lists ``properties`` and says nothing of ``additionalProperties``
+takes no other keys (``closed``; vLLM's default with either grammar library, and what
+OpenAI's strict mode asks for): a small model given room for extra keys fills it.
+
 JSON is written as Python's json.dumps writes it: ", " between items, ": " after keys, no
 other whitespace (a small model given free whitespace may pad its output with newlines
 until max_tokens); a schema may override that with llguidance's ``x-guidance`` options.
@@ -136,6 +140,33 @@ WIRE_JSON_SCHEMA: dict[str, Any] = {
     ]}
 
 
+# the keywords whose values are subschemas, one each / a list / a mapping of them
+_ONE = ("items", "additionalProperties", "contains", "not", "if", "then", "else",
+        "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema: Any) -> Any:
+    """A copy of ``schema`` in which every object schema with ``properties`` and no
+    ``additionalProperties`` has ``"additionalProperties": false`` (module doc)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def library():
     """The llguidance module (imported here, on first use); ValueError when missing."""
     try:
@@ -173,7 +204,7 @@ def grammar_of(spec: GuidedSpec) -> str:
                 raise ValueError(f"guided json_schema: text is not JSON ({e})") from None
             if not isinstance(schema, dict):
                 raise ValueError("guided json_schema: a schema is a JSON object")
-        return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return matcher.grammar_from_json_schema(closed(schema), defaults=JSON_OPTIONS)
     if spec.kind == "regex":
         return matcher.grammar_from_regex(spec.text)
     if spec.kind == "choice":

@@ -218,6 +218,6 @@ class CallStream:
                 out.append({"index": k, "id": call_id(self.job_id, self.choice, k),
                             "type": "function",
                             "function": {"name": self.scanner.calls[k][0], "arguments": text}})
-            else:
+            elif text:
                 out.append({"index": k, "function": {"arguments": text}})
         return out

@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedq.wire.guided import JSON_OPTIONS, GuidedSpec, check_compiles
+from pagedq.wire.guided import JSON_OPTIONS, GuidedSpec, check_compiles, closed
 
 MAX_TOOLS = 128  # OpenAI's limit
 NAME = Annotated[str, Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
@@ -113,7 +113,7 @@ def problem(tools: list[Tool] | None, choice: ToolChoice | None,
 def _call_schema(tool: Tool) -> dict[str, Any]:
     return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
             "properties": {"name": {"const": tool.function.name},
-                           "arguments": tool.parameters()}}
+                           "arguments": closed(tool.parameters())}}
 
 
 def calls_schema(tools: list[Tool], only: str | None = None,
@@ -146,7 +146,8 @@ def output_spec(guided: GuidedSpec | None, tools: list[Tool] | None,
     if guided is None:
         rules += ["answer: TEXT?", r"TEXT: /[^\[][\s\S]*/"]
     else:  # json_schema or json_object (problem() refuses the others)
-        schema = json.loads(guided.text) if guided.kind == "json_schema" else {"type": "object"}
+        schema = (closed(json.loads(guided.text)) if guided.kind == "json_schema"
+                  else {"type": "object"})
         rules.append("answer: %json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}))
     return GuidedSpec("grammar", "\n".join(rules))
 
