@@ -254,8 +254,11 @@ def test_errors_in_openai_shape(stack):
     assert e.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=CHAT,
-                                  tools=[{"type": "function", "function": {"name": "f"}}])
-    assert "tools" in e.value.message
+                                  tools=[{"type": "function", "function": {"name": "f g"}}])
+    assert e.value.param == "tools.0.function.name"
+    with pytest.raises(openai.BadRequestError) as e:  # the legacy form of tools
+        c.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"functions": []})
+    assert e.value.param == "functions"
     with pytest.raises(openai.NotFoundError) as e:
         c.completions.create(model="no-such-model", prompt="hi")
     assert e.value.code == "model_not_found"
