@@ -34,6 +34,11 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
+class Person(BaseModel):
+    name: str = Field(max_length=12)
+    age: int = Field(ge=0, le=120)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     srv = RedisServer().start()
@@ -82,6 +87,11 @@ def test_response_format_json_object_and_json_schema(stack):
                              stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == ch.message.content
         assert chunks[-1].choices[0].finish_reason == "stop"
+    # the SDK's own structured output: a pydantic model as a strict json_schema, parsed back
+    parsed = stack.sdk.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Invent a person."}],
+        response_format=Person, max_tokens=40, temperature=0).choices[0].message.parsed
+    assert isinstance(parsed, Person) and parsed.name
 
 
 def test_a_tool_call_round_trip(stack):
@@ -187,11 +197,6 @@ def test_logit_bias_and_logprobs_in_openai_shapes(stack):
                                      max_tokens=3, temperature=0, logprobs=2,
                                      logit_bias={str(ids[0]): 5})
     assert len(c.choices[0].logprobs.tokens) == 3 and len(c.choices[0].logprobs.top_logprobs[0]) == 2
-
-
-class Person(BaseModel):
-    name: str = Field(max_length=12)
-    age: int = Field(ge=0, le=120)
 
 
 def test_langchain_structured_output_and_tools(stack):
