@@ -21,7 +21,6 @@ from pydantic import ValidationError
 
 from pagedq.wire.openai_api import ENDPOINTS, body_problem
 from pagedq.wire.schema import JobRequest, describe
-from pagedq.wire.tools import check_output, mode
 
 LANE = "batch"  # the jobs stream lane every batch job rides
 # set by the batch for every line, refused in a body
@@ -137,7 +136,7 @@ def request(p: Parsed, batch_id: str, model: str,
         data["timeout_s"] = timeout_s
     try:
         req = JobRequest.model_validate(data)
-        check_output(req.guided, req.tools, req.tool_choice, req.parallel_tool_calls)
+        req.check_output()
     except ValidationError as e:
         return LineError(p.line, p.custom_id, "invalid_request", describe(e))
     except ValueError as e:  # a guided spec or a tool's parameters that cannot compile
@@ -166,5 +165,4 @@ class Validator:
         req = request(p, self.batch_id, self.model)
         if isinstance(req, LineError):
             return req
-        return Line(line, p.custom_id, p.kind, req.logprobs is not None,
-                    mode(req.tools, req.tool_choice) is not None)
+        return Line(line, p.custom_id, p.kind, req.logprobs is not None, req.tools_active)

@@ -29,7 +29,6 @@ from pagedq.wire.keys import JOB_ID_RE, new_job_id
 from pagedq.wire.openai_api import body_problem
 from pagedq.wire.schema import JobRequest, describe
 from pagedq.wire.scripts import queued_tokens_of
-from pagedq.wire.tools import check_output, mode
 
 from .errors import APIError, bad_request
 
@@ -58,7 +57,7 @@ class Generation:
     @property
     def tools(self) -> bool:
         """The job's tools are active: its output may be calls (wire/tools.py)."""
-        return mode(self.req.tools, self.req.tool_choice) is not None
+        return self.req.tools_active
 
     def est_tokens(self) -> int:
         """What the request may cost: prompt characters / 4 + max_tokens for each choice."""
@@ -139,7 +138,7 @@ def generation(kind: str, body: dict[str, Any], default_model: str,
         raise APIError(400, msg, "invalid_request",
                        head if head and " " not in head else None) from None
     try:  # before anything is queued (the client checks again: remembered, no cost)
-        check_output(req.guided, req.tools, req.tool_choice, req.parallel_tool_calls)
+        req.check_output()
     except ValueError as e:
         raise APIError(400, f"{e} (the output's grammar does not compile)", "invalid_request",
                        "tools" if str(e).startswith("tools") else guided_by) from None

@@ -10,7 +10,6 @@ from pydantic import ValidationError
 from pagedq.wire.errors import InvalidRequest
 from pagedq.wire.keys import check_job_id, new_job_id
 from pagedq.wire.schema import JobRequest, describe
-from pagedq.wire.tools import check_output
 
 
 def validate_request(data: dict[str, Any] | JobRequest) -> JobRequest:
@@ -21,7 +20,7 @@ def validate_request(data: dict[str, Any] | JobRequest) -> JobRequest:
         data = data.model_dump(exclude_none=True)
     try:
         req = JobRequest.model_validate(data)
-        check_output(req.guided, req.tools, req.tool_choice, req.parallel_tool_calls)
+        req.check_output()
     except ValidationError as e:
         raise InvalidRequest("invalid job request: " + describe(e)) from None
     except ValueError as e:

@@ -16,7 +16,7 @@ from pagedq.wire.guided import GuidedSpec, validate_guided
 from pagedq.wire.openai_api import CallStream, choice_body, response_body
 from pagedq.wire.schema import JobRequest
 from pagedq.wire.scripts import queued_tokens_of
-from pagedq.wire.tools import CallScanner, call_id, calls_of, output_spec
+from pagedq.wire.tools import CallScanner, call_id, calls_of
 from pagedq.worker import chat
 from tests.model_fixtures import tiny_tokenizer
 
@@ -31,10 +31,6 @@ CALL = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 
 def request(**kw) -> JobRequest:
     return JobRequest.model_validate({"messages": ASK, "tools": [WEATHER, TIME], **kw})
-
-
-def spec_of(req: JobRequest) -> GuidedSpec | None:
-    return output_spec(req.guided, req.tools, req.tool_choice, req.parallel_tool_calls)
 
 
 @pytest.fixture(scope="module")
@@ -64,15 +60,16 @@ def test_each_tool_choice_has_its_grammar(accepts):
             "a": {"type": "integer"}}}}), [CALL, '{"a": 1}'], ["Hello", '{"b": 2}']),
     }
     for name, (req, good, bad) in cases.items():
-        spec = spec_of(req)
+        spec = req.output_spec()
         validate_guided(spec)
         for text in good:
             assert accepts(spec, text), (name, text)
         for text in bad:
             assert not accepts(spec, text), (name, text)
-    assert spec_of(request(tool_choice="none")) is None
-    assert spec_of(request(tool_choice="none", guided={"regex": "a"})) == GuidedSpec("regex", "a")
-    assert spec_of(request()) == spec_of(request())  # deterministic: the worker derives it again
+    assert request(tool_choice="none").output_spec() is None
+    none = request(tool_choice="none", guided={"regex": "a"})
+    assert none.output_spec() == GuidedSpec("regex", "a") and not none.tools_active
+    assert request().output_spec() == request().output_spec()  # the worker derives it again
 
 
 def test_tool_fields_round_trip_and_rules():

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .guided import GuidedSpec
 from .sampling import (  # noqa: F401 - describe, MAX_N, MAX_TOKENS_LIMIT: the schema's names too
     MAX_N,
     MAX_STOP_STRINGS,
@@ -22,7 +23,7 @@ from .sampling import (  # noqa: F401 - describe, MAX_N, MAX_TOKENS_LIMIT: the s
     describe,
     with_sampling,
 )
-from .tools import MAX_TOOLS, Tool, ToolCall, ToolChoice, problem
+from .tools import MAX_TOOLS, Tool, ToolCall, ToolChoice, check_output, mode, output_spec, problem
 
 SCHEMA_VERSION = 1
 MAX_PROMPT_CHARS = 1_000_000
@@ -229,6 +230,19 @@ class JobRequest(with_sampling(_RequestHead)):  # type: ignore[misc]
 
     def body_json(self) -> str:
         return self.model_dump_json(exclude_none=True)
+
+    @property
+    def tools_active(self) -> bool:
+        """Whether the output may be tool calls (tools given, tool_choice not "none")."""
+        return mode(self.tools, self.tool_choice) is not None
+
+    def output_spec(self) -> GuidedSpec | None:
+        """What the output must match: ``guided``, or the tools' grammar (wire/tools.py)."""
+        return output_spec(self.guided, self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def check_output(self) -> None:
+        """ValueError (one line) unless the output spec compiles (llguidance, no torch)."""
+        check_output(self.guided, self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 class Usage(BaseModel):

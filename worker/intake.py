@@ -42,7 +42,6 @@ from pagedq.worker.jobs import (
     BadEntry,
     Job,
     WorkerIdentity,
-    output_spec,
     parse_entry,
     sampling_params,
 )
@@ -451,7 +450,7 @@ class Intake:
         prompt_tokens = 0
         lanes_ = self.ident.lanes
         priority = lanes.engine_priority(lanes_.index(job.lane), len(lanes_), req.priority)
-        guided = output_spec(req)
+        guided = req.output_spec()
         for k, choice in enumerate(job.choices):
             if choice.finish_reason is not None:
                 continue

@@ -17,7 +17,6 @@ from pydantic import ValidationError
 
 from pagedq.engine.outputs import FinishReason as EngineReason
 from pagedq.engine.sampling_params import SamplingParams
-from pagedq.wire import tools
 from pagedq.wire.connection import is_cluster
 from pagedq.wire.guided import GuidedSpec
 from pagedq.wire.keys import JOB_ID_RE, Keys
@@ -201,15 +200,12 @@ def sampling_params(req: JobRequest, choice: int = 0,
     """Engine parameters of one choice: the request's sampling fields (one declaration,
     wire/sampling.py; validated with the request), each choice an engine request of its own
     (n = 1), and choice k of a seeded job drawing from seed + k. ``guided``: the job's
-    output spec (``output_spec``: its own, or its tools'), made once per job."""
+    output spec (``req.output_spec()``: its own, or its tools'), made once per job and
+    compiled by the engine at add_request (a ValueError there fails the job)."""
     seed = None if req.seed is None else (req.seed + choice) % 2**63
     return SamplingParams.of_request(req, n=1, seed=seed, guided=guided)
 
 
-def output_spec(req: JobRequest) -> GuidedSpec | None:
-    """What the job's output must match: its ``guided`` spec, or its tools' grammar
-    (wire/tools.py); compiled by the engine at add_request (a ValueError fails the job)."""
-    return tools.output_spec(req.guided, req.tools, req.tool_choice, req.parallel_tool_calls)
 
 
 def logprobs_json(lps: list[Any], token_text) -> list[dict[str, Any]]:
