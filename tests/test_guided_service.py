@@ -90,8 +90,6 @@ def test_fifty_json_schema_jobs_validate_beside_unchanged_unguided_jobs(smol):
 def test_every_guided_kind_logit_bias_and_tools_end_to_end(smol):
     c, _ = smol
     lark = 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,3}/'
-    base = c.result(c.submit(messages=chat("What is the capital of France?"), max_tokens=3,
-                             temperature=0.0), timeout=300)
     first = outputs(c, [c.submit(messages=chat("What is the capital of France?"),
                                  max_tokens=3, temperature=0.0)])[0]["ids"][0]
     jobs = {
@@ -127,7 +125,7 @@ def test_every_guided_kind_logit_bias_and_tools_end_to_end(smol):
     assert isinstance(json.loads(rec["object"].text), dict)
     for k in ("schema", "prompt"):
         jsonschema.validate(json.loads(rec[k].text), PERSON)
-    assert outputs(c, [jobs["bias"]])[0]["ids"][0] != first and rec["bias"].text != base.text
+    assert outputs(c, [jobs["bias"]])[0]["ids"][0] != first  # the greedy first token, banned
     (name, args), = calls_of(rec["named"].text)
     assert name == "get_time" and set(json.loads(args)) == {"city"}
     (name, args), = calls_of(rec["required"].text)
