@@ -47,13 +47,16 @@ class Line:
     custom_id: str
     kind: str  # "completion" or "chat"
     logprobs: bool  # the request asked for log-probabilities
+    tools: bool = False  # its tools were active: its output may be calls (wire/tools.py)
 
     def row(self) -> list[Any]:
-        return [self.line, self.custom_id, self.kind, self.logprobs]
+        return [self.line, self.custom_id, self.kind, self.logprobs, self.tools]
 
     @classmethod
     def from_row(cls, row: list[Any]) -> Line:
-        return cls(int(row[0]), str(row[1]), str(row[2]), bool(row[3]))
+        # rows written before tools existed have four fields
+        return cls(int(row[0]), str(row[1]), str(row[2]), bool(row[3]),
+                   bool(row[4]) if len(row) > 4 else False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +135,13 @@ def request(p: Parsed, batch_id: str, model: str,
     if timeout_s is not None:
         data["timeout_s"] = timeout_s
     try:
-        return JobRequest.model_validate(data)
+        req = JobRequest.model_validate(data)
+        req.check_output()
     except ValidationError as e:
         return LineError(p.line, p.custom_id, "invalid_request", describe(e))
+    except ValueError as e:  # a guided spec or a tool's parameters that cannot compile
+        return LineError(p.line, p.custom_id, "invalid_request", str(e))
+    return req
 
 
 class Validator:
@@ -158,4 +165,4 @@ class Validator:
         req = request(p, self.batch_id, self.model)
         if isinstance(req, LineError):
             return req
-        return Line(line, p.custom_id, p.kind, req.logprobs is not None)
+        return Line(line, p.custom_id, p.kind, req.logprobs is not None, req.tools_active)

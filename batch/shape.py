@@ -86,7 +86,8 @@ def result_line(ln: Line, job_id: str, h: dict[str, str], model: str,
     lps = token_logprobs(events, len(choices)) if events is not None else None
     body = response_body(ln.kind, job_id, model,
                          int(float(h.get("finished_at") or h.get("created_at") or 0)), choices,
-                         lps, int(h.get("prompt_tokens") or 0), int(h.get("completion_tokens") or 0))
+                         lps, int(h.get("prompt_tokens") or 0), int(h.get("completion_tokens") or 0),
+                         ln.tools)
     return {"id": request_id(job_id), "custom_id": ln.custom_id,
             "response": {"status_code": 200, "request_id": job_id, "body": body},
             "error": None}

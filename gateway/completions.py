@@ -21,13 +21,13 @@ from starlette.types import Receive, Scope, Send
 
 from pagedq.producer.aio import AsyncClient
 from pagedq.wire.errors import NoWorker, PagedqError
-from pagedq.wire.openai_api import COMPLETION, response_body, token_logprobs
+from pagedq.wire.openai_api import response_body, token_logprobs
 from pagedq.wire.schema import FinalEvent, JobRecord, Status
 
 from .apikeys import Admitted
 from .errors import APIError, from_pagedq
 from .requests import Generation, generation, parse_json
-from .stream import Renderer, final_error, frame, offsets_before, sse
+from .stream import Renderer, final_error, frame, prime, sse
 
 log = logging.getLogger("pagedq.gateway")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -147,10 +147,9 @@ async def events(gw: Any, client: AsyncClient, gen: Generation, adm: Admitted,
     created = asyncio.ensure_future(_created(client, job_id))
     try:
         r = Renderer(gen.kind, job_id, gen.req.model, 0, gen.req.n, gen.include_usage,
-                     gen.logprobs)
+                     gen.logprobs, gen.tools)
         start, skip = (gen.resume[1], gen.resume[2]) if gen.resume else (0, -1)
-        if gen.resume and gen.kind == COMPLETION and gen.logprobs:
-            r.offsets = await offsets_before(client, job_id, start, gen.req.n)
+        await prime(client, r, start)
         async for data, fin in sse(client, r, start, skip, created):
             final = fin
             if data:
@@ -233,4 +232,5 @@ async def _response(client: AsyncClient, gen: Generation, rec: JobRecord,
         lps = token_logprobs([f for _, f in log_], gen.req.n)
     return JSONResponse(response_body(gen.kind, gen.job_id, gen.req.model,
                                       int(rec.created_at or 0), choices, lps,
-                                      rec.usage.prompt_tokens, rec.usage.completion_tokens))
+                                      rec.usage.prompt_tokens, rec.usage.completion_tokens,
+                                      gen.tools))

@@ -1,7 +1,8 @@
 """An HTTP request body of /v1/completions or /v1/chat/completions -> the JobRequest it
 submits, and what the response needs (stream or not, usage, logprobs, detach, resume).
 
-The body is OpenAI's; what JobRequest takes beyond it (``top_k``, ``min_p``,
+The body is OpenAI's (``response_format``, ``tools``, ``tool_choice``,
+``parallel_tool_calls``, ``logit_bias`` included); what JobRequest takes beyond it (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``priority``,
 ``lane``, ``timeout_s``, ``metadata``) is accepted too, as vLLM accepts its extras. The
 endpoint shape is wire/openai_api.py's (shared with batch files). Fields of the
@@ -52,6 +53,11 @@ class Generation:
     @property
     def logprobs(self) -> bool:
         return self.req.logprobs is not None
+
+    @property
+    def tools(self) -> bool:
+        """The job's tools are active: its output may be calls (wire/tools.py)."""
+        return self.req.tools_active
 
     def est_tokens(self) -> int:
         """What the request may cost: prompt characters / 4 + max_tokens for each choice."""
@@ -122,6 +128,7 @@ def generation(kind: str, body: dict[str, Any], default_model: str,
         if not stream:
             raise bad_request("Last-Event-ID resumes a stream: send stream: true",
                               "Last-Event-ID")
+    guided_by = "response_format" if "response_format" in data else "guided"
     data.update(id=job_id or new_job_id(partitions), model=model)
     try:
         req = JobRequest.model_validate(data)
@@ -130,4 +137,9 @@ def generation(kind: str, body: dict[str, Any], default_model: str,
         head = msg.split(":", 1)[0]
         raise APIError(400, msg, "invalid_request",
                        head if head and " " not in head else None) from None
+    try:  # before anything is queued (the client checks again: remembered, no cost)
+        req.check_output()
+    except ValueError as e:
+        raise APIError(400, f"{e} (the output's grammar does not compile)", "invalid_request",
+                       "tools" if str(e).startswith("tools") else guided_by) from None
     return Generation(kind, req, stream, include_usage, detach, resume)

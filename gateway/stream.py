@@ -7,15 +7,17 @@ event k gives the same chunks, in the same order, on every connection:
 
 * event 0 of a chat job starts with one chunk naming the assistant (``role``) for each
   choice;
-* a token event: one chunk with its choice's text delta (and its logprobs when asked);
+* a token event: one chunk with its choice's text delta (and its logprobs when asked),
+  or, for a chat choice whose tools are active and whose output is calls, its tool-call
+  deltas (wire/openai_api.py ``CallStream``: an empty delta until a call's name is out);
 * the final event: one chunk with every choice's ``finish_reason`` (status finished or
-  cancelled) or one ``{"error": ...}`` event (failed, expired), then the usage chunk
-  (``stream_options.include_usage``), then ``data: [DONE]``.
+  cancelled; ``tool_calls`` for complete calls) or one ``{"error": ...}`` event (failed,
+  expired), then the usage chunk (``stream_options.include_usage``), then ``data: [DONE]``.
 
 A client that reconnects with ``Last-Event-ID: <job>/<k>.<j>`` gets the job's events from
 k on (AsyncClient.stream from index k), minus event k's chunks up to j: no gap, no repeat.
-The only state carried across events, a completion's logprob ``text_offset``, is rebuilt
-from the log before k.
+The state carried across events (a completion's logprob ``text_offset``, a choice's calls
+read so far) is rebuilt by rendering the log before k (``prime``).
 """
 from __future__ import annotations
 
@@ -26,13 +28,15 @@ from typing import Any
 from pagedq.producer.aio import AsyncClient
 from pagedq.wire.openai_api import (
     CHAT,
+    CallStream,
     chat_logprobs,
     chunk,
     chunk_choice,
     completion_logprobs,
+    finish_reason_of,
     usage,
 )
-from pagedq.wire.schema import Event, FinalEvent, FinishReason, Status, TokenEvent
+from pagedq.wire.schema import Event, FinalEvent, FinishReason, Status, TokenEvent, parse_event
 
 DONE = "[DONE]"
 
@@ -49,13 +53,21 @@ def frame(eid: str, data: dict[str, Any] | str) -> bytes:
 
 class Renderer:
     """Chunks of one job's events; ``offsets``: per choice, the completion text offset of
-    the next token (logprobs of completions only)."""
+    the next token (logprobs of completions only); ``calls``: per choice, its tool calls
+    read so far (a chat whose tools are active, else None)."""
 
     def __init__(self, kind: str, job_id: str, model: str, created: int, n: int,
-                 include_usage: bool, logprobs: bool, offsets: list[int] | None = None) -> None:
+                 include_usage: bool, logprobs: bool, tools: bool = False) -> None:
         self.kind, self.job_id, self.model, self.created = kind, job_id, model, created
         self.n, self.include_usage, self.logprobs = n, include_usage, logprobs
-        self.offsets = offsets or [0] * n
+        self.offsets = [0] * n
+        self.tools = tools and kind == CHAT
+        self.calls = [CallStream(job_id, c) for c in range(n)] if self.tools else None
+
+    @property
+    def stateful(self) -> bool:
+        """Whether rendering an event depends on the events before it."""
+        return self.calls is not None or (self.logprobs and self.kind != CHAT)
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return chunk(self.kind, self.job_id, self.model, self.created, choices,
@@ -71,9 +83,11 @@ class Renderer:
             return out
         assert isinstance(ev, FinalEvent)
         if ev.status in (Status.finished, Status.cancelled):
-            reasons = {c.index: c.finish_reason for c in ev.choices or []}
-            out.append(self._chunk([chunk_choice(self.kind, c, finish_reason=reasons.get(
-                c, ev.finish_reason) or ev.finish_reason) for c in range(self.n)]))
+            ends = {c.index: (c.text, c.finish_reason) for c in ev.choices or []}
+            ends.setdefault(0, (ev.text, ev.finish_reason))
+            out.append(self._chunk([chunk_choice(self.kind, c, finish_reason=finish_reason_of(
+                *ends.get(c, ("", ev.finish_reason)), self.tools) or ev.finish_reason)
+                for c in range(self.n)]))
         else:
             out.append(final_error(ev))
         if self.include_usage:
@@ -92,7 +106,8 @@ class Renderer:
             else:
                 lp = completion_logprobs(entries, self.offsets[ev.choice])
                 self.offsets[ev.choice] += sum(len(t["token"]) for t in entries)
-        return chunk_choice(self.kind, ev.choice, ev.delta, logprobs=lp)
+        calls = self.calls[ev.choice].feed(ev.delta) if self.calls is not None else None
+        return chunk_choice(self.kind, ev.choice, ev.delta, logprobs=lp, tool_calls=calls)
 
 
 def final_error(ev: FinalEvent) -> dict[str, Any]:
@@ -106,16 +121,14 @@ def final_error(ev: FinalEvent) -> dict[str, Any]:
     return {"error": {"message": msg, "type": "server_error", "param": None, "code": code}}
 
 
-async def offsets_before(client: AsyncClient, job_id: str, k: int, n: int) -> list[int]:
-    """Per choice, the completion text offset after events 0..k-1 (for a resumed stream)."""
-    offsets = [0] * n
-    if k <= 0:
-        return offsets
-    for _, f in await client.redis.xrange(client.keys_of(job_id).out(job_id), "0-1", f"0-{k}"):
-        c = int(f.get("c") or 0)
-        if f.get("t") == "token" and f.get("lp") and c < n:
-            offsets[c] += sum(len(t["token"]) for t in json.loads(f["lp"]))
-    return offsets
+async def prime(client: AsyncClient, r: Renderer, k: int) -> None:
+    """Render (and drop) the job's events before event k: a resumed stream's renderer
+    then carries the state an uninterrupted one would have at k."""
+    if k <= 0 or not r.stateful:
+        return
+    for _, f in await client.redis.xrange(client.keys_of(r.job_id).out(r.job_id), "0-1",
+                                          f"0-{k}"):
+        r.render(parse_event(f))
 
 
 async def sse(client: AsyncClient, r: Renderer, start: int = 0, skip_through: int = -1,

@@ -21,6 +21,7 @@ Exit codes (of submit --wait/--stream, result, status and cancel):
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Iterable
 
@@ -74,10 +75,57 @@ def _report(job_id: str, status: Status, error: str, reason: str) -> int:
     return code
 
 
+def _read(flag: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag} {path}: cannot read it ({getattr(e, 'strerror', None) or e})"
+                         ) from None
+
+
+def guided_of_args(args: argparse.Namespace) -> dict | None:
+    """The wire's ``guided`` object of submit's --json-schema/--json-object/--regex/
+    --choice/--grammar (one of them: argparse's group); ValueError naming the option."""
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(_read("--json-schema", args.json_schema))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema {args.json_schema}: not JSON ({e})") from None
+        return {"json_schema": schema}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice is not None:
+        return {"choice": args.choice}
+    if args.grammar is not None:
+        return {"grammar": _read("--grammar", args.grammar)}
+    return None
+
+
+def logit_bias_of(values: list[str] | None) -> dict[int, float] | None:
+    """--logit-bias ID=BIAS ... -> {id: bias}; ValueError naming the bad one."""
+    if not values:
+        return None
+    out: dict[int, float] = {}
+    for v in values:
+        tid, sep, bias = v.partition("=")
+        try:
+            if not sep or not tid.strip().isdigit():
+                raise ValueError
+            out[int(tid)] = float(bias)
+        except ValueError:
+            raise ValueError(f"--logit-bias {v!r}: expected TOKEN_ID=BIAS, e.g. 50256=-100"
+                             ) from None
+    return out
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.text == "-" else args.text
     body = {"messages": [{"role": "user", "content": text}]} if args.chat else {"prompt": text}
     body.update({k: v for k in ("lane", "priority") if (v := getattr(args, k)) is not None})
+    body.update(guided=guided_of_args(args), logit_bias=logit_bias_of(args.logit_bias))
     with _client(args) as c:
         job_id = c.submit(**body, max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
@@ -178,6 +226,24 @@ def register(subparsers: argparse._SubParsersAction,
     p.add_argument("--priority", type=int, metavar="N",
                    help="order inside a worker's batch, -1000..1000, higher first "
                         f"(default: {req['priority'].default})")
+    guide = p.add_argument_group(
+        "guided decoding", "the output must match one of these (a spec that cannot compile "
+        "is refused, exit 2, nothing queued; default: none, free text)")
+    one = guide.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE",
+                     help="a JSON value valid against the JSON Schema in FILE (default: none)")
+    one.add_argument("--json-object", action="store_true",
+                     help="a JSON object, any keys (default: off)")
+    one.add_argument("--regex", metavar="RE",
+                     help="text the regular expression RE (Rust regex syntax) matches whole "
+                          "(default: none)")
+    one.add_argument("--choice", action="append", metavar="STR",
+                     help="exactly one of the strings given, repeatable (default: none)")
+    one.add_argument("--grammar", metavar="FILE",
+                     help="the context-free grammar in FILE: Lark (start rule 'start') or "
+                          "GBNF (root rule 'root') (default: none)")
+    p.add_argument("--logit-bias", action="append", metavar="ID=BIAS",
+                   help="add BIAS (-100..100) to token ID's logit, repeatable (default: none)")
     p.add_argument("--id", help="job id (default: a new uuid4 hex); resubmitting is idempotent")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", action="store_true",

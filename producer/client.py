@@ -36,6 +36,7 @@ from pagedq.wire.connection import (
     is_fatal,
     looks_cut_by_tls,
 )
+from pagedq.wire.guided import GuidedSpec
 from pagedq.wire.keys import Keys
 from pagedq.wire.schema import ChatMessage, Event, JobRecord, JobRequest
 from pagedq.wire.settings import Settings
@@ -104,14 +105,18 @@ class Client:
     # -- submit
     def submit(self, prompt: str | list[int] | None = None, *,
                messages: list[dict[str, Any] | ChatMessage] | None = None,
-               model: str | None = None, max_tokens: int | None = None,
+               model: str | None = None, tools: list[dict[str, Any]] | None = None,
+               tool_choice: str | dict[str, Any] | None = None,
+               parallel_tool_calls: bool | None = None, max_tokens: int | None = None,
                temperature: float | None = None, top_p: float | None = None,
                top_k: int | None = None, min_p: float | None = None,
                repetition_penalty: float | None = None, presence_penalty: float | None = None,
                frequency_penalty: float | None = None, stop: list[str] | str | None = None,
                stop_token_ids: list[int] | None = None, seed: int | None = None,
                ignore_eos: bool | None = None, min_tokens: int | None = None,
-               logprobs: int | None = None, n: int | None = None, priority: int | None = None,
+               logprobs: int | None = None, n: int | None = None,
+               guided: dict[str, Any] | GuidedSpec | None = None,
+               logit_bias: dict[int | str, float] | None = None, priority: int | None = None,
                lane: str | None = None, timeout_s: float | None = None,
                metadata: dict[str, str] | None = None, job_id: str | None = None,
                require_worker: bool = False, **openai: Any) -> str:
@@ -126,6 +131,13 @@ class Client:
         messages: a chat, e.g. [{"role": "user", "content": "Hi"}] (roles system, user,
             assistant, tool), through the model's chat template
         model: the served model name = its jobs stream [the client's model]
+        tools: functions the model may call, OpenAI's [{"type": "function", "function":
+            {"name", "description"?, "parameters"?: a JSON Schema}}], up to 128; messages
+            only. The output is then text or a JSON array of calls [{"name", "arguments"}]
+            (pagedq.wire.tools.calls_of reads it) [none]
+        tool_choice: "auto" (text or calls), "required" (calls), "none" (text), or
+            {"type": "function", "function": {"name": ...}} (one call of it) [auto]
+        parallel_tool_calls: False = at most one call [True]
         max_tokens: most tokens to generate, 1..32768 [128]
         temperature: 0 = greedy, up to 100 [1.0]
         top_p: nucleus sampling mass, in (0, 1] [1.0 = off]
@@ -142,6 +154,11 @@ class Client:
         logprobs: each token's log-probability and its k likeliest alternatives, 0..20
             [none]
         n: independent samples (choices) of the prompt, 1..16 [1]
+        guided: what the output must match, one key: {"json_schema": {...}},
+            {"json_object": True}, {"regex": "..."}, {"choice": ["a", "b"]} or
+            {"grammar": "<Lark or GBNF>"} (or a GuidedSpec); a spec that cannot compile
+            is refused here (InvalidRequest) [none]
+        logit_bias: token id -> bias added to its logit, -100..100, up to 300 ids [none]
         priority: order inside a worker's batch, -1000..1000, higher first [0]
         lane: the jobs stream to queue on, one of the workers' lanes [interactive]
         timeout_s: seconds from submission until the job must be done; then it ends with
@@ -150,8 +167,9 @@ class Client:
         job_id: 1..128 of [A-Za-z0-9_.:-] [a new uuid4 hex]
         require_worker: refuse (NoWorker, nothing enqueued) unless a live worker serves
             the model [False]
-        **openai: OpenAI's names max_completion_tokens, top_logprobs (with logprobs=True)
-            and user (-> metadata["user"]); any other name is refused (InvalidRequest)
+        **openai: OpenAI's names max_completion_tokens, top_logprobs (with logprobs=True),
+            user (-> metadata["user"]) and response_format (json_object, json_schema ->
+            guided); any other name is refused (InvalidRequest)
         """
         req = requests.build_request(prompt, messages, model or self.model, job_id,
                                     submit_params.explicit(locals()), openai,

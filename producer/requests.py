@@ -13,13 +13,19 @@ from pagedq.wire.schema import JobRequest, describe
 
 
 def validate_request(data: dict[str, Any] | JobRequest) -> JobRequest:
-    """Validate (again, if already a model: it may have been built unvalidated)."""
+    """Validate (again, if already a model: it may have been built unvalidated), and
+    compile its guided or tools' output spec (llguidance, no torch: a spec that cannot
+    compile is refused here, before anything is queued)."""
     if isinstance(data, JobRequest):
         data = data.model_dump(exclude_none=True)
     try:
-        return JobRequest.model_validate(data)
+        req = JobRequest.model_validate(data)
+        req.check_output()
     except ValidationError as e:
         raise InvalidRequest("invalid job request: " + describe(e)) from None
+    except ValueError as e:
+        raise InvalidRequest(f"invalid job request: {e}") from None
+    return req
 
 
 def build_request(prompt: str | list[int] | None, messages: list[Any] | None, model: str,

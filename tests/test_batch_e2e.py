@@ -195,7 +195,7 @@ def write_input(path: Path, n: int, bad: bool = True, max_tokens: int = 3,
                         "body": {"prompt": "a", "max_tokens": 0}}),
             json.dumps({"custom_id": "x-field", "method": "POST", "url": "/v1/chat/completions",
                         "body": {"messages": [{"role": "user", "content": "a"}],
-                                 "tools": []}}),
+                                 "functions": []}}),
             json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "a"}}),
         ]
         for k, row in enumerate(bad_rows):

@@ -71,14 +71,14 @@ class Gateway:
     """`pagedq gateway` with admin prefix ``prefix``; ``env``: e.g. its Redis user's."""
 
     def __init__(self, url: str, batch_dir: Path, prefix: str = PREFIX,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, model: str = MODEL) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = tempfile.mktemp(prefix="pagedq-gateway-", suffix=".log")
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedq", "--redis-url", url, "gateway", "--prefix",
-             prefix, "--port", str(self.port), "--auth", "on", "--model", MODEL,
+             prefix, "--port", str(self.port), "--auth", "on", "--model", model,
              "--batch-dir", str(batch_dir), "--log-level", "info"],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
             env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
@@ -254,8 +254,11 @@ def test_errors_in_openai_shape(stack):
     assert e.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=CHAT,
-                                  tools=[{"type": "function", "function": {"name": "f"}}])
-    assert "tools" in e.value.message
+                                  tools=[{"type": "function", "function": {"name": "f g"}}])
+    assert e.value.param == "tools.0.function.name"
+    with pytest.raises(openai.BadRequestError) as e:  # the legacy form of tools
+        c.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"functions": []})
+    assert e.value.param == "functions"
     with pytest.raises(openai.NotFoundError) as e:
         c.completions.create(model="no-such-model", prompt="hi")
     assert e.value.code == "model_not_found"

@@ -188,8 +188,13 @@ def test_spec_construction_errors():
         GuidedSpec("regex")
     with pytest.raises(ValueError, match="guided json_object takes no text"):
         GuidedSpec("json_object", "{}")
-    with pytest.raises(ValueError, match="guided: Input should be an instance of GuidedSpec"):
+    with pytest.raises(ValueError, match="guided: must be an object with one key, the kind"):
         SamplingParams(guided="json")
+    # the wire's shape is taken too, and a spec comes back as the wire writes it
+    assert SamplingParams(guided={"json_schema": {"type": "object"}}).guided == \
+        GuidedSpec("json_schema", '{"type": "object"}')
+    assert SamplingParams(guided=GuidedSpec("json_schema", '{"type":"object"}')).guided == \
+        GuidedSpec("json_schema", '{"type": "object"}')
     assert GuidedSpec.of("choice", ["a", "b"]) == GuidedSpec("choice", '["a", "b"]')
     validate_guided(GuidedSpec.of("choice", ['say "hi"', "café", "back\\slash"]))
 

@@ -83,6 +83,15 @@ def test_submit_keywords_reach_the_request(redis_server):
     assert (req.presence_penalty, req.frequency_penalty, req.top_k, req.top_p,
             req.temperature, req.seed, req.stop, req.timeout_s) == \
         (0.5, 0.25, 3, 0.9, 0.7, 1, ["\n"], 60)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pagedq.Client(redis_server.url, prefix="pkg", model="m") as c:
+        c.submit(messages=[{"role": "user", "content": "hi"}], tools=[tool], tool_choice="auto",
+                 parallel_tool_calls=False, guided={"json_object": True}, logit_bias={7: -1})
+        (_id, entry), = c.redis.xrange(c.keys.jobs("m", "interactive"))
+    req = JobRequest.model_validate_json(entry["body"])
+    assert req.tools[0].model_dump(exclude_none=True) == tool and req.tool_choice == "auto"
+    assert (req.parallel_tool_calls, req.guided.kind, req.logit_bias) == \
+        (False, "json_object", {7: -1.0})
 
 
 def test_the_wire_and_the_engine_take_the_same_sampling_values():

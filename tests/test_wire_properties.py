@@ -1,11 +1,12 @@
 """Property tests of the wire contract through a real redis-server and a real worker process
-(SmolLM2 on the CPU): every documented JobRequest field, valid and invalid, raw entries and
-raw script calls. After each example the queue counters return to zero and their
-invariant (wire/invariants.py) holds."""
+(SmolLM2 on the CPU): every documented JobRequest field (guided specs, logit_bias, tools
+included), valid and invalid, raw entries and raw script calls. After each example the
+queue counters return to zero and their invariant (wire/invariants.py) holds."""
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 import uuid
 
@@ -21,6 +22,7 @@ from pagedq.wire.keys import GROUP, LANE_RE
 from pagedq.wire.lua import source
 from pagedq.wire.schema import FinalEvent, JobRequest, TokenEvent
 from pagedq.wire.scripts import Submit
+from pagedq.wire.tools import calls_of, mode
 from tests.worker_proc import WorkerProc
 
 SUBMIT_LUA = source("submit")
@@ -95,7 +97,21 @@ optional = {
                                 st.text(max_size=8).filter(str.isprintable), max_size=3),
     "n": st.integers(1, 3),
     "user": st.text(min_size=1, max_size=8).filter(str.isprintable),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100),
+                                  max_size=3),
 }
+# guided specs small enough to end within a few tokens, and what a whole output of each is
+GUIDED = {
+    "regex": ({"regex": "[a-c]{1,4}"}, lambda t: re.fullmatch("[a-c]{1,4}", t)),
+    "choice": ({"choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+    "grammar": ({"grammar": 'start: "x" | "y" NUM\nNUM: /[0-9]/'}, lambda t: re.fullmatch(
+        "x|y[0-9]", t)),
+    "json_object": ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+    "json_schema": ({"json_schema": {"enum": [1, 22]}}, lambda t: json.loads(t) in (1, 22)),
+}
+TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}}}
+TOOL_CHOICES = ["none", "auto", "required", {"type": "function", "function": {"name": "pick"}}]
 
 
 @st.composite
@@ -114,7 +130,34 @@ def requests(draw) -> dict:
     elif lp == "chat":
         body["logprobs"] = True
         body["top_logprobs"] = draw(st.integers(0, 5))
+    choice = draw(st.sampled_from([None, *TOOL_CHOICES])) if "messages" in body else None
+    if choice is not None:
+        body.update(tools=[TOOL], tool_choice=choice)
+        if draw(st.booleans()):
+            body["parallel_tool_calls"] = draw(st.booleans())
+    kind = draw(st.sampled_from([None, *GUIDED]))
+    if kind is not None and (choice != "auto" or kind.startswith("json")):
+        if kind == "json_object" and draw(st.booleans()):  # OpenAI's name of it
+            body["response_format"] = {"type": "json_object"}
+        else:
+            body["guided"] = GUIDED[kind][0]
     return body
+
+
+def check_output(req: JobRequest, texts: dict[int, str], reasons: dict[int, str],
+                 body: dict) -> None:
+    """A choice the grammar ended (stop, no stop strings to cut it) matches its spec."""
+    kind = next((k for k, (v, _) in GUIDED.items() if v == req.guided.to_wire()), None) \
+        if req.guided is not None else None
+    tools_on = mode(req.tools, req.tool_choice) not in (None, "auto")
+    for k, text in texts.items():
+        if reasons[k] != "stop" or req.stop:
+            continue
+        if tools_on:
+            assert calls_of(text) and all(n == "pick" for n, _ in calls_of(text)), (body, text)
+        elif kind is not None and not (req.tools and req.tool_choice != "none"
+                                       and text.startswith("[")):
+            assert GUIDED[kind][1](text), (body, text)
 
 
 def check_job(c: Client, job_id: str, body: dict) -> None:
@@ -134,6 +177,9 @@ def check_job(c: Client, job_id: str, body: dict) -> None:
     assert all(1 <= counts[k] <= req.max_tokens for k in range(req.n)), counts
     enders = [e for e in tokens if e.finish_reason]
     assert sorted(e.choice for e in enders) == list(range(req.n))  # each choice ends once
+    reasons = ({ch.index: ch.finish_reason for ch in rec.choices} if req.n > 1
+               else {0: rec.finish_reason})
+    check_output(req, texts, reasons, body)
     if req.n > 1:
         assert [ch.index for ch in rec.choices] == list(range(req.n))
         assert [ch.text for ch in rec.choices] == [texts[k] for k in range(req.n)]
@@ -190,6 +236,13 @@ BAD_WORKER_BODIES = {  # the submit script takes them (it checks only what it ca
     "no prompt": lambda j: json.dumps({"id": j, "max_tokens": 2}),
     "bad n": lambda j: good_body(j, n=0),
     "huge token id": lambda j: json.dumps({"id": j, "prompt": [VOCAB + 5], "max_tokens": 2}),
+    # specs that cannot compile (the client's check at submit, skipped): the engine's refusal
+    "bad schema": lambda j: good_body(j, guided={"json_schema": {"type": "objekt"}}),
+    "bad regex": lambda j: good_body(j, guided={"regex": "a("}),
+    "bad tool": lambda j: good_body(j, prompt=None, messages=[{"role": "user", "content": "x"}],
+                                    tool_choice="required", tools=[{"type": "function",
+                                    "function": {"name": "f", "parameters": {"type": "x"}}}]),
+    "logit_bias id past the vocabulary": lambda j: good_body(j, logit_bias={str(VOCAB): 1}),
 }
 BAD_ENTRIES = {  # XADDed directly, bypassing the script
     "no body": lambda j: {"job": j},
@@ -319,7 +372,10 @@ def test_client_refuses_what_the_wire_refuses(svc):
     c, _ = svc
     for kw in [dict(prompt="caf\udce9"), dict(prompt="x", max_tokens="4"), dict(prompt="x", n=0),
                dict(prompt="x", top_logprobs=3), dict(messages=[{"role": "user",
-                                                                 "content": [{"type": "image"}]}])]:
+                                                                 "content": [{"type": "image"}]}]),
+               dict(prompt="x", guided={"regex": "a("}), dict(prompt="x", guided="json"),
+               dict(prompt="x", logit_bias={"1": 101}), dict(prompt="x", tools=[TOOL]),
+               dict(prompt="x", response_format={"type": "json_schema"})]:
         with pytest.raises(InvalidRequest):
             c.submit_request(kw)
 

@@ -14,6 +14,15 @@ A spec is a kind and a text (``GuidedSpec``):
   grammar      text is a context-free grammar in Lark syntax (llguidance's dialect, start
                rule ``start``) or GBNF (root rule ``root``), converted to Lark
 
+On the wire (a job's ``guided`` field, docs/protocol.md) a spec is an object of one key,
+its kind: ``{"json_schema": {...the schema...}}``, ``{"json_object": true}``,
+``{"regex": "..."}``, ``{"choice": ["a", "b"]}``, ``{"grammar": "..."}`` (``of_wire`` /
+``to_wire``; OpenAI's ``response_format`` is mapped onto it, wire/schema.py).
+
+An object schema that lists ``properties`` and says nothing of ``additionalProperties``
+takes no other keys (``closed``; vLLM's default with either grammar library, and what
+OpenAI's strict mode asks for): a small model given room for extra keys fills it.
+
 JSON is written as Python's json.dumps writes it: ", " between items, ": " after keys, no
 other whitespace (a small model given free whitespace may pad its output with newlines
 until max_tokens); a schema may override that with llguidance's ``x-guidance`` options.
@@ -21,6 +30,8 @@ until max_tokens); a schema may override that with llguidance's ``x-guidance`` o
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +73,100 @@ class GuidedSpec:
         return cls(kind, value)
 
 
+    def to_wire(self) -> dict[str, Any]:
+        """The wire's one-key object (``of_wire``'s inverse)."""
+        if self.kind == "json_object":
+            return {"json_object": True}
+        if self.kind in ("json_schema", "choice"):
+            return {self.kind: json.loads(self.text)}
+        return {self.kind: self.text}
+
+
+def of_wire(value: Any) -> GuidedSpec:
+    """The spec of a wire value (module doc): ValueError, one line, for any other shape.
+    A GuidedSpec is checked the same way and comes back as the wire would carry it
+    (a schema's text as json.dumps writes it). Deterministic: the same value gives the same
+    spec text."""
+    if isinstance(value, GuidedSpec):
+        if value.kind not in ("json_schema", "choice"):
+            return value
+        try:
+            return _of_wire(value.to_wire())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"guided {value.kind}: text is not JSON ({e})") from None
+    try:
+        return _of_wire(value)
+    except ValueError as e:  # the field's name comes first in a wire error: not twice
+        raise ValueError(str(e).removeprefix("guided ")) from None
+
+
+def _of_wire(value: Any) -> GuidedSpec:
+    kinds = ", ".join(GUIDED_KINDS)
+    if not (isinstance(value, dict) and len(value) == 1):
+        raise ValueError(f"must be an object with one key, the kind: one of {kinds}")
+    (kind, v), = value.items()
+    if kind not in GUIDED_KINDS:
+        raise ValueError(f"kind must be one of {kinds} (got {kind!r})")
+    if kind == "json_object":
+        if v is not True:
+            raise ValueError("json_object must be true")
+        return GuidedSpec(kind)
+    want = {"json_schema": dict, "choice": list}.get(kind, str)
+    if not isinstance(v, want):
+        what = {dict: "a JSON Schema object", list: "a list of strings", str: "a string"}[want]
+        raise ValueError(f"{kind} must be {what}")
+    if kind == "choice":
+        _choices(json.dumps(v))  # a list of non-empty strings
+    return GuidedSpec.of(kind, v)
+
+
+# the wire shape's JSON Schema (docs/schema/JobRequest.schema.json)
+WIRE_JSON_SCHEMA: dict[str, Any] = {
+    "description": "what the output must match: an object of one key, the kind",
+    "oneOf": [
+        {"type": "object", "required": ["json_schema"], "additionalProperties": False,
+         "properties": {"json_schema": {"type": "object", "description": "a JSON Schema"}}},
+        {"type": "object", "required": ["json_object"], "additionalProperties": False,
+         "properties": {"json_object": {"const": True}}},
+        {"type": "object", "required": ["regex"], "additionalProperties": False,
+         "properties": {"regex": {"type": "string", "minLength": 1}}},
+        {"type": "object", "required": ["choice"], "additionalProperties": False,
+         "properties": {"choice": {"type": "array", "minItems": 1,
+                                   "items": {"type": "string", "minLength": 1}}}},
+        {"type": "object", "required": ["grammar"], "additionalProperties": False,
+         "properties": {"grammar": {"type": "string", "minLength": 1,
+                                    "description": "Lark (start rule start) or GBNF "
+                                                   "(root rule root)"}}},
+    ]}
+
+
+# the keywords whose values are subschemas, one each / a list / a mapping of them
+_ONE = ("items", "additionalProperties", "contains", "not", "if", "then", "else",
+        "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema: Any) -> Any:
+    """A copy of ``schema`` in which every object schema with ``properties`` and no
+    ``additionalProperties`` has ``"additionalProperties": false`` (module doc)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def library():
     """The llguidance module (imported here, on first use); ValueError when missing."""
     try:
@@ -99,7 +204,7 @@ def grammar_of(spec: GuidedSpec) -> str:
                 raise ValueError(f"guided json_schema: text is not JSON ({e})") from None
             if not isinstance(schema, dict):
                 raise ValueError("guided json_schema: a schema is a JSON object")
-        return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return matcher.grammar_from_json_schema(closed(schema), defaults=JSON_OPTIONS)
     if spec.kind == "regex":
         return matcher.grammar_from_regex(spec.text)
     if spec.kind == "choice":
@@ -128,3 +233,23 @@ def validate_guided(spec: GuidedSpec) -> None:
     error = library().LLMatcher.validate_grammar(grammar_of(spec))
     if error:
         raise ValueError(f"guided {spec.kind}: {one_line(error)}")
+
+
+_CHECKED: OrderedDict[GuidedSpec, None] = OrderedDict()  # specs that compiled, most recent last
+_CHECKED_LOCK = threading.Lock()
+CHECKED_MAX, CHECKED_MAX_CHARS = 256, 1 << 16  # kept: at most this many, this small
+
+
+def check_compiles(spec: GuidedSpec) -> None:
+    """``validate_guided``, remembered for the small specs that compiled (a client submits
+    the same schema again and again: ~1 ms each, bench/guided.py)."""
+    with _CHECKED_LOCK:
+        if spec in _CHECKED:
+            _CHECKED.move_to_end(spec)
+            return
+    validate_guided(spec)
+    if len(spec.text) <= CHECKED_MAX_CHARS:
+        with _CHECKED_LOCK:
+            _CHECKED[spec] = None
+            while len(_CHECKED) > CHECKED_MAX:
+                _CHECKED.popitem(last=False)

@@ -5,7 +5,13 @@ gateway (gateway/): a request body -> JobRequest fields, a job's result -> a res
 Two kinds of request, by endpoint: ``completion`` (``/v1/completions``: ``prompt``, a string
 or token ids) and ``chat`` (``/v1/chat/completions``: ``messages``). The rest of the body
 is what ``JobRequest`` takes, OpenAI's names included (``max_completion_tokens``,
-``logprobs: true`` + ``top_logprobs``, ``user``, ``stop: null``): wire/schema.py.
+``logprobs: true`` + ``top_logprobs``, ``user``, ``stop: null``, ``response_format``,
+``tools``, ``tool_choice``, ``parallel_tool_calls``, ``logit_bias``): wire/schema.py.
+``echo: true`` (the prompt's log-probabilities) is refused: the engine computes none.
+
+A chat whose tools are active (wire/tools.py) answers the calls its output holds as
+OpenAI's ``tool_calls`` (ids from ``call_id``, arguments as JSON text, finish reason
+``tool_calls``); any other output is its text, as without tools.
 
 Invariant: every function here is deterministic in its arguments. The batch ingest parses
 a line again after a crash and must get the same body (SUBMIT's idempotency), and the
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
+from pagedq.wire.tools import CallScanner, call_id, calls_of
 
 CHAT, COMPLETION = "chat", "completion"
 ENDPOINTS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
@@ -31,6 +39,9 @@ def body_problem(kind: str, data: dict[str, Any]) -> str | None:
         return None
     if "messages" in data:
         return "/v1/completions takes prompt, not messages"
+    if data.pop("echo", False) is not False:
+        return ("echo is not supported: pagedq computes no log-probabilities of the prompt "
+                "(send echo: false, or leave it out)")
     prompt = data.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         if len(prompt) != 1:
@@ -60,24 +71,51 @@ def choices_of(h: dict[str, str]) -> list[dict[str, Any]]:
 
 def response_body(kind: str, job_id: str, model: str, created: int,
                   choices: list[dict[str, Any]], lps: list[list[dict[str, Any]]] | None,
-                  prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+                  prompt_tokens: int, completion_tokens: int,
+                  tools: bool = False) -> dict[str, Any]:
     """A finished job as OpenAI's ``text_completion`` / ``chat.completion`` object.
-    ``lps``: per choice, the ``lp`` entries of its token events (None: not asked for)."""
+    ``lps``: per choice, the ``lp`` entries of its token events (None: not asked for).
+    ``tools``: the job's tools were active (its output may be calls)."""
     return {
         "id": response_id(kind, job_id),
         "object": "chat.completion" if kind == CHAT else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice_body(kind, c, lps[c["index"]] if lps else None) for c in choices],
+        "choices": [choice_body(kind, c, lps[c["index"]] if lps else None,
+                                job_id if tools else None) for c in choices],
         "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
-def choice_body(kind: str, c: dict[str, Any], lp: list[dict[str, Any]] | None) -> dict[str, Any]:
+def tool_calls_body(job_id: str, choice: int, calls: list[tuple[str, str]]
+                    ) -> list[dict[str, Any]]:
+    return [{"id": call_id(job_id, choice, k), "type": "function",
+             "function": {"name": name, "arguments": args}}
+            for k, (name, args) in enumerate(calls)]
+
+
+def finish_reason_of(text: str, reason: str, tools: bool) -> str:
+    """OpenAI's finish reason of a choice: ``tool_calls`` when its tools were active and
+    its output is complete calls (the grammar ended it: stop)."""
+    if tools and reason == "stop" and calls_of(text):
+        return "tool_calls"
+    return reason
+
+
+def choice_body(kind: str, c: dict[str, Any], lp: list[dict[str, Any]] | None,
+                tools_job: str | None = None) -> dict[str, Any]:
+    """``tools_job``: the job id of a job whose tools were active (None: none were)."""
     if kind == CHAT:
-        return {"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+        message: dict[str, Any] = {"role": "assistant", "content": c["text"]}
+        reason = c["finish_reason"]
+        calls = calls_of(c["text"]) if tools_job is not None else None
+        if calls and reason == "stop":
+            message = {"role": "assistant", "content": None,
+                       "tool_calls": tool_calls_body(tools_job, c["index"], calls)}
+            reason = "tool_calls"
+        return {"index": c["index"], "message": message,
                 "logprobs": None if lp is None else chat_logprobs(lp),
-                "finish_reason": c["finish_reason"]}
+                "finish_reason": reason}
     return {"index": c["index"], "text": c["text"],
             "logprobs": None if lp is None else completion_logprobs(lp),
             "finish_reason": c["finish_reason"]}
@@ -136,16 +174,50 @@ def chunk(kind: str, job_id: str, model: str, created: int, choices: list[dict[s
 
 
 def chunk_choice(kind: str, index: int, text: str = "", *, role: bool = False,
-                 logprobs: dict[str, Any] | None = None,
-                 finish_reason: str | None = None) -> dict[str, Any]:
+                 logprobs: dict[str, Any] | None = None, finish_reason: str | None = None,
+                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A choice of a streamed chunk: a text delta (``role``: chat's first delta, which
-    names the assistant), or the choice's end (``finish_reason`` with an empty delta)."""
+    names the assistant), tool-call deltas (``tool_calls``: ``CallStream``'s; [] = none
+    yet), or the choice's end (``finish_reason`` with an empty delta)."""
     if kind == CHAT:
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
-        if finish_reason is None:
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        elif finish_reason is None and tool_calls is None:
             delta["content"] = text
         return {"index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+class CallStream:
+    """One chat choice's streamed output when its tools are active: text until its first
+    character says it is calls ("[": wire/tools.py), then OpenAI's tool-call deltas, the
+    first of each call with its id, type and name, then its arguments' text as it comes.
+    Deterministic in the deltas fed, in order (a resumed stream feeds the earlier ones)."""
+
+    __slots__ = ("job_id", "choice", "calls", "scanner")
+
+    def __init__(self, job_id: str, choice: int) -> None:
+        self.job_id, self.choice = job_id, choice
+        self.calls: bool | None = None  # None: nothing seen yet
+        self.scanner = CallScanner()
+
+    def feed(self, delta: str) -> list[dict[str, Any]] | None:
+        """The tool-call deltas of ``delta`` ([] when none is complete yet), or None when
+        the output is text (send ``delta`` as content)."""
+        if self.calls is None and delta:
+            self.calls = delta.startswith("[")
+        if not self.calls:
+            return None
+        out = []
+        for k, new, text in self.scanner.feed(delta):
+            if new:
+                out.append({"index": k, "id": call_id(self.job_id, self.choice, k),
+                            "type": "function",
+                            "function": {"name": self.scanner.calls[k][0], "arguments": text}})
+            elif text:
+                out.append({"index": k, "function": {"arguments": text}})
+        return out

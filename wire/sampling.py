@@ -8,8 +8,11 @@ tests/test_pagedq_package.py). pydantic and the standard library only: the engin
 imports this, and it never imports redis.
 
 A new sampling field is one field of SamplingParams (and the code that uses it, and its
-keyword in both clients' submit()); ``metadata={"wire": False}`` keeps an engine-only one
-off the wire (``guided`` and ``logit_bias`` below, until the wire carries them).
+keyword in both clients' submit(), its row in docs/protocol.md, the JSON Schemas:
+``python -m pagedq.wire.jsonschema``); ``metadata={"wire": False}`` keeps an engine-only
+one off the wire. A field whose wire shape is not its Python type says how to convert
+both ways in its annotation (``guided``: a one-key object, ``logit_bias``: token ids as
+strings, as JSON keys are).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Annotated, Any
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -28,8 +32,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.functional_serializers import PlainSerializer
+from pydantic.json_schema import WithJsonSchema
 
-from pagedq.wire.guided import GuidedSpec
+from pagedq.wire.guided import WIRE_JSON_SCHEMA, GuidedSpec, of_wire
 
 MAX_TOKENS_LIMIT = 32768
 MAX_STOP_STRINGS = 16
@@ -61,6 +67,27 @@ def _unicode(s: str) -> str:
 
 Text = Annotated[str, AfterValidator(_unicode)]
 
+# a guided spec on the wire: {"json_schema": {...}} and the like (wire/guided.py)
+Guided = Annotated[GuidedSpec, BeforeValidator(of_wire),
+                   PlainSerializer(GuidedSpec.to_wire, return_type=dict),
+                   WithJsonSchema(WIRE_JSON_SCHEMA)]
+
+
+def _token_ids(v: Any) -> Any:
+    """logit_bias keys: token ids, as JSON (and OpenAI) writes them, strings of digits."""
+    if isinstance(v, dict):
+        return {int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k: b
+                for k, b in v.items()}
+    return v
+
+
+LOGIT_BIAS_SCHEMA = {
+    "type": "object", "maxProperties": MAX_LOGIT_BIAS,
+    "description": "token id (a string of digits) -> bias added to its logit",
+    "propertyNames": {"pattern": "^[0-9]+$"},
+    "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT,
+                             "maximum": LOGIT_BIAS_LIMIT}}
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -85,15 +112,16 @@ class SamplingParams:
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     # guided decoding: the output must match this spec (wire/guided.py); it is compiled at
     # add_request (a spec that cannot compile is a ValueError there)
-    guided: GuidedSpec | None = field(default=None, metadata={"wire": False})
+    guided: Guided | None = None
     # token id -> added to its logit before sampling (after penalties, before the
-    # min_tokens and guided masks); ids are checked against the vocabulary at add_request
+    # min_tokens and guided masks); ids are checked against the vocabulary at add_request.
+    # None = no bias (kept off the stored body, whose bytes are its idempotency key)
     logit_bias: Annotated[
         dict[Annotated[int, Field(ge=0)],
              Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT,
                                     allow_inf_nan=False)]],
-        Field(max_length=MAX_LOGIT_BIAS)] = field(default_factory=dict,
-                                                   metadata={"wire": False})
+        Field(max_length=MAX_LOGIT_BIAS), BeforeValidator(_token_ids),
+        WithJsonSchema(LOGIT_BIAS_SCHEMA)] | None = None
 
     def __post_init__(self) -> None:
         try:

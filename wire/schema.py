@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .guided import GuidedSpec
 from .sampling import (  # noqa: F401 - describe, MAX_N, MAX_TOKENS_LIMIT: the schema's names too
     MAX_N,
     MAX_STOP_STRINGS,
@@ -22,6 +23,7 @@ from .sampling import (  # noqa: F401 - describe, MAX_N, MAX_TOKENS_LIMIT: the s
     describe,
     with_sampling,
 )
+from .tools import MAX_TOOLS, Tool, ToolCall, ToolChoice, check_output, mode, output_spec, problem
 
 SCHEMA_VERSION = 1
 MAX_PROMPT_CHARS = 1_000_000
@@ -55,12 +57,16 @@ class FinishReason(StrEnum):
 
 class ChatMessage(BaseModel):
     """One chat message. ``content`` may also be OpenAI's list of parts; text parts are
-    joined with newlines (as vLLM does), other part types are refused."""
+    joined with newlines (as vLLM does), other part types are refused. An assistant
+    message may carry the ``tool_calls`` it made (then its content may be null), a tool
+    message the ``tool_call_id`` it answers (wire/tools.py)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "tool"]
-    content: Text
+    content: Text | None = None
     name: Annotated[str, Field(max_length=256)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -80,13 +86,31 @@ class ChatMessage(BaseModel):
                                      "only text is supported")
                 texts.append(part["text"])
             data["content"] = "\n".join(texts)
+        if data.get("tool_calls") == []:  # some clients send an empty list for none
+            del data["tool_calls"]
         return data
+
+    @model_validator(mode="after")
+    def _parts(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message has a tool_call_id")
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("content is required (null only in an assistant message with "
+                             "tool_calls)")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.content or ""
 
 
 def _openai_aliases(data: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's request names -> ours: ``max_completion_tokens`` -> ``max_tokens``;
     chat's ``logprobs: true`` + ``top_logprobs: k`` -> ``logprobs: k`` (``false`` -> none);
-    ``user`` -> ``metadata.user``; ``stop: null`` -> no stop strings."""
+    ``user`` -> ``metadata.user``; ``stop: null`` -> no stop strings; ``response_format``
+    (json_object, json_schema) -> ``guided`` (text: none); ``tools: []`` -> no tools."""
     data = dict(data)
     if "max_completion_tokens" in data:
         mct = data.pop("max_completion_tokens")
@@ -108,7 +132,34 @@ def _openai_aliases(data: dict[str, Any]) -> dict[str, Any]:
         data["metadata"] = meta
     if data.get("stop", []) is None:
         del data["stop"]
+    if "response_format" in data:
+        guided = _response_format(data.pop("response_format"))
+        if guided is not None:
+            if "guided" in data:
+                raise ValueError("response_format and guided are both given; send one")
+            data["guided"] = guided
+    if data.get("tools", None) == []:
+        del data["tools"]
     return data
+
+
+def _response_format(rf: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format -> the wire's guided spec (None for plain text)."""
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text" and set(rf) == {"type"}:
+        return None
+    if kind == "json_object" and set(rf) == {"type"}:
+        return {"json_object": True}
+    if kind == "json_schema" and set(rf) == {"type", "json_schema"}:
+        js = rf["json_schema"]
+        if not (isinstance(js, dict) and set(js) <= {"name", "schema", "strict", "description"}
+                and isinstance(js.get("schema"), dict)):
+            raise ValueError("response_format.json_schema must be {\"name\", \"schema\": "
+                             "{...}, \"strict\"?, \"description\"?}")
+        return {"json_schema": js["schema"]}
+    raise ValueError("response_format must be {\"type\": \"text\"}, {\"type\": "
+                     "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                     "{\"name\", \"schema\"}}")
 
 
 class _RequestHead(BaseModel):
@@ -123,6 +174,11 @@ class _RequestHead(BaseModel):
     # text, or token ids (as OpenAI's completions API allows) for clients that tokenize
     prompt: Text | list[Annotated[int, Field(ge=0, lt=2**31)]] | None = None
     messages: list[ChatMessage] | None = None
+    # functions the model may call (OpenAI's shapes; wire/tools.py): rendered through the
+    # model's chat template, the output held to tool_choice's grammar
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None  # none = "auto" with tools
+    parallel_tool_calls: bool | None = None  # none = true
 
 
 class JobRequest(with_sampling(_RequestHead)):  # type: ignore[misc]
@@ -163,14 +219,30 @@ class JobRequest(with_sampling(_RequestHead)):  # type: ignore[misc]
         if self.messages is not None:
             if not self.messages:
                 raise ValueError("messages is empty")
-            if sum(len(m.content) for m in self.messages) > MAX_PROMPT_CHARS:
+            if sum(len(m.text) for m in self.messages) > MAX_PROMPT_CHARS:
                 raise ValueError(f"messages longer than {MAX_PROMPT_CHARS} characters")
-            if not any(m.content.strip() for m in self.messages):
+            if not any(m.text.strip() or m.tool_calls for m in self.messages):
                 raise ValueError("all messages are empty")
+        bad = problem(self.tools, self.tool_choice, self.guided, self.messages is not None)
+        if bad:
+            raise ValueError(bad)
         return self
 
     def body_json(self) -> str:
         return self.model_dump_json(exclude_none=True)
+
+    @property
+    def tools_active(self) -> bool:
+        """Whether the output may be tool calls (tools given, tool_choice not "none")."""
+        return mode(self.tools, self.tool_choice) is not None
+
+    def output_spec(self) -> GuidedSpec | None:
+        """What the output must match: ``guided``, or the tools' grammar (wire/tools.py)."""
+        return output_spec(self.guided, self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def check_output(self) -> None:
+        """ValueError (one line) unless the output spec compiles (llguidance, no torch)."""
+        check_output(self.guided, self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 class Usage(BaseModel):

@@ -45,11 +45,16 @@ def req_hash(body: str) -> str:
 
 
 def queued_tokens_of(req: JobRequest) -> int:
-    """The backpressure weight of a job: prompt chars / 4 (rough tokens) + max_tokens."""
+    """The backpressure weight of a job: prompt chars / 4 (rough tokens) + max_tokens; a
+    chat's characters are its contents', its tool calls' arguments' and its tools' JSON."""
     if isinstance(req.prompt, list):
         return len(req.prompt) + req.max_tokens
-    chars = len(req.prompt) if req.prompt is not None else sum(
-        len(m.content) for m in req.messages or [])
+    if req.prompt is not None:
+        return len(req.prompt) // 4 + req.max_tokens
+    chars = sum(len(m.text) + sum(len(c.function.arguments) for c in m.tool_calls or ())
+                for m in req.messages or [])
+    if req.tools:
+        chars += sum(len(t.model_dump_json(exclude_none=True)) for t in req.tools)
     return chars // 4 + req.max_tokens
 
 

@@ -37,8 +37,14 @@ from pagedq.wire.keys import GROUP, Keys
 from pagedq.wire.schema import FinishReason, JobRequest, Status
 from pagedq.wire.worker_scripts import NAMES as WORKER_SCRIPTS
 from pagedq.wire.worker_scripts import Reject, Start, Started, StartKind
-from pagedq.worker import faults, lanes, tenants
-from pagedq.worker.jobs import BadEntry, Job, WorkerIdentity, parse_entry, sampling_params
+from pagedq.worker import chat, faults, lanes, tenants
+from pagedq.worker.jobs import (
+    BadEntry,
+    Job,
+    WorkerIdentity,
+    parse_entry,
+    sampling_params,
+)
 from pagedq.worker.metrics import Metrics
 from pagedq.worker.pacing import StepPacer
 from pagedq.worker.publisher import Publisher
@@ -409,7 +415,7 @@ class Intake:
             self.publisher.register(keys, job_id, attempt, next_index)
             self.end_job(job, Status.expired, FinishReason.deadline)
             return
-        faults.on_admit(str(req.prompt or " ".join(m.content for m in req.messages or [])))
+        faults.on_admit(str(req.prompt or " ".join(m.text for m in req.messages or [])))
         try:
             job.prompt_tokens = self._add_to_engine(job, req)
         except Exception as e:  # noqa: BLE001 - input this engine cannot take fails its job
@@ -436,18 +442,22 @@ class Intake:
     def _add_to_engine(self, job: Job, req: JobRequest) -> int:
         """One engine request per unfinished choice (resumed after its replayed tokens);
         returns the prompt length."""
-        messages = ([m.model_dump(exclude_none=True) for m in req.messages]
-                    if req.messages else None)
+        prompt, messages = req.prompt, None
+        if req.messages and chat.needs_rendering(req):  # tools: rendered here (worker/chat.py)
+            prompt = chat.prompt_ids(self.engine.tokenizer, req)
+        elif req.messages:
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
         prompt_tokens = 0
         lanes_ = self.ident.lanes
         priority = lanes.engine_priority(lanes_.index(job.lane), len(lanes_), req.priority)
+        guided = req.output_spec()
         for k, choice in enumerate(job.choices):
             if choice.finish_reason is not None:
                 continue
             prompt_tokens = self.engine.add_request(
-                job.request_id(k), req.prompt, sampling_params(req, k), messages=messages,
+                job.request_id(k), prompt, sampling_params(req, k, guided), messages=messages,
                 priority=priority, resume_token_ids=choice.resumed_ids)
-        return prompt_tokens or len(self.engine.encode(req.prompt, messages))
+        return prompt_tokens or len(self.engine.encode(prompt, messages))
 
     def _prefill_too_slow(self, job: Job) -> tuple[str, bool]:
         """Why the job cannot be prefilled in time on this worker ('' if it can), and

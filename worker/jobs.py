@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from pagedq.engine.outputs import FinishReason as EngineReason
 from pagedq.engine.sampling_params import SamplingParams
 from pagedq.wire.connection import is_cluster
+from pagedq.wire.guided import GuidedSpec
 from pagedq.wire.keys import JOB_ID_RE, Keys
 from pagedq.wire.schema import FinishReason, JobRequest, clean_logprob, describe
 from pagedq.wire.settings import Settings
@@ -194,12 +195,17 @@ def parse_entry(fields: dict[str, str], model: str, lane: str) -> JobRequest:
     return req
 
 
-def sampling_params(req: JobRequest, choice: int = 0) -> SamplingParams:
+def sampling_params(req: JobRequest, choice: int = 0,
+                    guided: GuidedSpec | None = None) -> SamplingParams:
     """Engine parameters of one choice: the request's sampling fields (one declaration,
     wire/sampling.py; validated with the request), each choice an engine request of its own
-    (n = 1), and choice k of a seeded job drawing from seed + k."""
+    (n = 1), and choice k of a seeded job drawing from seed + k. ``guided``: the job's
+    output spec (``req.output_spec()``: its own, or its tools'), made once per job and
+    compiled by the engine at add_request (a ValueError there fails the job)."""
     seed = None if req.seed is None else (req.seed + choice) % 2**63
-    return SamplingParams.of_request(req, n=1, seed=seed)
+    return SamplingParams.of_request(req, n=1, seed=seed, guided=guided)
+
+
 
 
 def logprobs_json(lps: list[Any], token_text) -> list[dict[str, Any]]:
