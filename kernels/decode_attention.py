@@ -283,7 +283,7 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
                          "cache with V in the transposed layout (kernels/layout.py)")
     if swap and fp8 and not mma8:
         # on an H200 (Triton 3.6) this form read out of bounds: non-finite outputs, then an
-        # illegal address (docs/benchmarks.md, "Decode variants"); its interpreter runs pass
+        # illegal address (docs/benchmarks.md, "Round three": decode variants that failed on the GPU); its interpreter runs pass
         raise ValueError(f"paged_decode_attention: variant {variant!r} converts an fp8 "
                          "cache's tiles, which failed on the GPU: use swap8 or tile")
     if block_n is None:
