@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from pagedq.kernels import decode_tile as tile
+from pagedq.kernels import layout
 from pagedq.kernels.layout import check_paged_qkv, is_transposed
 
 _LOG2E = 1.4426950408889634
@@ -149,15 +150,8 @@ def _reduce_kernel(part_ptr, lse_ptr, out_ptr, s_ob, s_oh, splits,
 
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else 0)
-    return 16  # interpreter on CPU: small, so that tests exercise the split path
+    return layout.num_sms(device, interpreter=16)  # small: tests reach the split path
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_ctx: int, num_sms: int,

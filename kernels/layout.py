@@ -10,6 +10,7 @@ Every kernel and twin reads and writes through the strides, so both work anywher
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -58,3 +59,16 @@ def is_transposed(cache: torch.Tensor) -> bool:
 
 def is_paged_layout(cache: torch.Tensor) -> bool:
     return cache.dim() == 4 and (cache.is_contiguous() or is_transposed(cache))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device, interpreter: int) -> int:
+    """The device's multiprocessors; ``interpreter`` on the CPU (Triton's interpreter), kept
+    small by the caller so that its tests reach the paths a GPU's many SMs choose."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else 0)
+    return interpreter

@@ -27,14 +27,13 @@ against the best fused tiles' 63-212 us, and at 2,048 rows half the fused time.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedq.kernels import quant_layout
+from pagedq.kernels import layout, quant_layout
 from pagedq.kernels.layout import FLOAT
 
 # rows from which the weight is dequantized once and multiplied by cuBLAS (see above);
@@ -248,15 +247,8 @@ def _dequant_kernel(q_ptr, s_ptr, o_ptr, w_ptr, N, K, NG,
              w.to(w_ptr.dtype.element_ty), mask=(offs_k < K)[:, None] & n_ok[None, :])
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else 0)
-    return 8  # interpreter on the CPU: small, so that tests reach the split path
+    return layout.num_sms(device, interpreter=8)  # small: tests reach the split path
 
 
 def fit_block_k(block_k: int, group_size: int) -> int:
