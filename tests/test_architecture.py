@@ -20,11 +20,15 @@ PACKAGES = ("wire", "producer", "batch", "admin", "worker", "engine", "kernels",
 
 def _loaded(code: str, *, prefixes: tuple[str, ...]) -> None:
     """Runs `code`, then fails if any module under one of `prefixes` was imported, or any
-    top-level module named like one of pagedq's folders (a stray `import engine` would load
-    a second copy of the package from the checkout)."""
+    top-level module named like one of pagedq's folders and loaded from the checkout (a stray
+    `import engine` would load a second copy of the package; Hugging Face's `kernels` from
+    site-packages is not ours)."""
     _run(code + "\nimport sys\n"
-         f"bad = [m for m in sys.modules if m.split('.')[0] in {PACKAGES!r} or any("
-         f"m == p or m.startswith(p + '.') for p in {prefixes!r})]\n"
+         f"bad = [m for m, mod in list(sys.modules.items()) if any("
+         f"m == p or m.startswith(p + '.') for p in {prefixes!r}) or ("
+         f"m.split('.')[0] in {PACKAGES!r}"
+         f" and (getattr(mod, '__file__', None) or '').startswith({ROOT + os.sep!r}"
+         f" + m.split('.')[0]))]\n"
          "assert not bad, bad")
 
 
@@ -176,14 +180,43 @@ def test_every_import_of_the_project_goes_through_pagedq():
 
 
 def test_transformers_does_not_mistake_our_kernels_package_for_hub_kernels():
-    """transformers probes for an importable `kernels` (Hugging Face's hub-kernels): pagedq
-    installs none, and the checkout's own kernels/ folder (importable from its root) has no
-    __version__ for the probe to read."""
-    _run("import kernels, pagedq.kernels\n"
-         "assert not hasattr(kernels, '__version__')\n"
+    """transformers imports Hugging Face's hub-kernels by its import name, `kernels`, when it
+    is installed (transformers >= 5.25 depends on it). From the checkout's root our kernels/
+    folder comes first on the path: it hands the name over, so transformers' integration
+    imports and pagedq.kernels is still ours."""
+    _run("import importlib.metadata as md, os, kernels, pagedq.kernels\n"
+         f"root = {os.path.join(ROOT, 'kernels')!r}\n"
+         "assert pagedq.kernels.__file__.startswith(root)\n"
          "assert not hasattr(pagedq.kernels, '__version__')\n"
-         "from transformers.utils import is_kernels_available\n"
-         "assert is_kernels_available() is False")
+         "try:\n"
+         "    md.distribution('kernels')\n"
+         "except md.PackageNotFoundError:\n"
+         "    assert kernels.__file__.startswith(root) and not hasattr(kernels, '__version__')\n"
+         "    from transformers.utils import is_kernels_available\n"
+         "    assert is_kernels_available() is False\n"
+         "else:\n"
+         "    assert not kernels.__file__.startswith(root), kernels.__file__\n"
+         "    import transformers.integrations.hub_kernels  # imports names of hub-kernels\n"
+         "import sys\n"
+         "assert 'kernels._hub' not in sys.modules")
+
+
+def test_our_kernels_folder_hands_its_bare_name_to_another_kernels_package(tmp_path):
+    """Both sides of the hand-over, whatever this environment has installed: with a
+    `kernels` package later on the path, the bare name is that package (and its own
+    submodule imports work); with none, it is the folder, without __version__."""
+    hub = tmp_path / "kernels"
+    hub.mkdir()
+    (hub / "__init__.py").write_text("from kernels.part import MARK\n__version__ = '9.9'\n")
+    (hub / "part.py").write_text("MARK = 'hub'\n")
+    code = ("import sys\n"
+            f"sys.path[:] = [{ROOT!r}] + [p for p in sys.path if 'site-packages' not in p]"
+            " + EXTRA\n"
+            "import kernels\n")
+    _run(code.replace("EXTRA", repr([str(tmp_path)]))
+         + "assert kernels.MARK == 'hub' and kernels.__version__ == '9.9'")
+    _run(code.replace("EXTRA", "[]")
+         + f"assert kernels.__file__.startswith({os.path.join(ROOT, 'kernels')!r}) and not hasattr(kernels, '__version__')")
 
 
 def _project_imports() -> dict[str, set[str]]:
