@@ -240,17 +240,28 @@ def test_requeue_refuses_damaged_entries_and_bad_input(svc, capsys):
     assert code == 2 and "positive" in err
 
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT at its default, so Python turns it into
+    KeyboardInterrupt. A suite started in the background by a non-interactive shell inherits
+    SIGINT ignored, and Python leaves an ignored SIGINT ignored (as a program should)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_watch_prints_a_document_per_interval_until_interrupted(svc):
     p = subprocess.Popen([sys.executable, "-m", "pagedq", "inspect", "--json", "--watch",
                           "0.2", "--redis-url", svc.url, "--prefix", PREFIX],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, text=True,
+                         preexec_fn=_sigint_default)
     try:
         docs = [json.loads(p.stdout.readline()) for _ in range(2)]
         assert all(d["prefix"] == PREFIX and d["v"] == 1 for d in docs)
         assert docs[1]["at"] > docs[0]["at"]
     finally:
         p.send_signal(signal.SIGINT)
-        assert p.wait(30) == 0
+        try:
+            assert p.wait(30) == 0
+        finally:
+            p.kill()  # no-op once it has exited; else not left behind
 
 
 def test_worker_cli_registers_the_admin_commands():
