@@ -33,12 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedq.kernels import layout, quant_layout
+from pagedq.kernels import layout, quant_decode, quant_layout
 from pagedq.kernels.layout import FLOAT
 
 # rows from which the weight is dequantized once and multiplied by cuBLAS (see above);
 # bench/quant.py's "dense" rows measure the crossover (it times them from 256 rows)
 DENSE_MIN_ROWS = 256
+# rows up to which kernels/quant_decode.py's few-rows kernels serve a call
+DECODE_MAX_ROWS = quant_decode.MAX_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,6 +330,9 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if config is None and m >= DENSE_MIN_ROWS:
         return dense_matmul(x, qweight, scales, offsets, bits, group_size, zero_point, bias,
                             perm)
+    if config is None and m <= DECODE_MAX_ROWS and quant_decode.serves(m, bits, group_size):
+        return quant_decode.decode_matmul(x, qweight, scales, offsets, bits, group_size,
+                                          zero_point, bias, perm)
     cfg = config or choose(m, n, k, group_size, num_sms(x.device))
     if cfg.split == 0:
         cfg = fitted(cfg, m, n, k, group_size, num_sms(x.device))
