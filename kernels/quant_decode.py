@@ -37,7 +37,7 @@ import triton.language as tl
 
 from pagedq.kernels import layout
 
-MAX_ROWS = 32  # rows served here; more go to kernels/quant_matmul.py's tiles
+MAX_ROWS = 16  # rows served here; more go to kernels/quant_matmul.py's tiles
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # device -> int32 counters, all 0
 _MAX_COLUMN_TILES = 1 << 16
 
@@ -157,7 +157,7 @@ def _x_row(x_ptr, perm_ptr, k, k_ok, HAS_PERM: tl.constexpr):
 
 @triton.jit
 def _finish(acc, offs_m, m_ok, offs_n, n_ok, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, s_ym,
-            splits, pid_n, pid_k, HAS_BIAS: tl.constexpr):
+            splits, pid_n, pid_k, HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] is this program's share of y's tile: write y, or the partial
     and, for the last program of the column tile, y from all partials (module doc)."""
     mask = m_ok[:, None] & n_ok[None, :]
@@ -171,11 +171,15 @@ def _finish(acc, offs_m, m_ok, offs_n, n_ok, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N
         tl.store(ws_rows + pid_k.to(tl.int64) * M * N, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the release
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
+        if arrived == splits - 1:  # CHUNK partials' loads in flight at a time, summed in a
+            # fixed order
             total = tl.zeros(acc.shape, dtype=tl.float32)
-            for s in range(splits):
-                total += tl.load(ws_rows + s * M * N, mask=mask, other=0.0,
-                                 cache_modifier=".cg")
+            offs_c = tl.arange(0, CHUNK)
+            for c0 in range(0, splits, CHUNK):
+                c = c0 + offs_c
+                ptrs = ws_rows[None, :, :] + (c.to(tl.int64) * M * N)[:, None, None]
+                total += tl.sum(tl.load(ptrs, mask=(c < splits)[:, None, None] & mask[None],
+                                        other=0.0, cache_modifier=".cg"), axis=0)
             if HAS_BIAS:
                 total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
@@ -202,8 +206,8 @@ def _decode_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, c
     m_ok = offs_m < M
     t0 = pid_k * tiles_per_split
     t1 = tl.minimum(t0 + tiles_per_split, tl.cdiv(NP, KP))
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # DOT
-    part = tl.zeros((KP, BLOCK_N), dtype=tl.float32)  # GEMV: sum over rows at the end
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # DOT; GEMV in one group a tile
+    part = tl.zeros((KP, BLOCK_N), dtype=tl.float32)  # GEMV, else: rows summed at the end
     p_end = tl.minimum(NP, t1 * KP)  # this program's word rows end there
     words, s, o = _tile(q_ptr, s_ptr, o_ptr, t0, offs_p, offs_n, n_ok, N, p_end, BITS, GROUP,
                         HAS_OFFSET, ONE_GROUP, KP)
@@ -262,18 +266,23 @@ def _decode_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, c
                     xc += x0 * (_unit(2 * h, BITS) + ZP) + x1 * (_unit(2 * h + 1, BITS) + ZP)
                     if HAS_OFFSET:
                         xs += x0 + x1
-            part += s * (a - xc[:, None])
-            if HAS_OFFSET:
-                part += o * xs[:, None]
+            if ONE_GROUP:  # rows summed per tile (in-thread: the warps lie along N)
+                acc += s * (tl.sum(a, axis=0)[None, :] - tl.sum(xc, axis=0))
+                if HAS_OFFSET:
+                    acc += o * tl.sum(xs, axis=0)
+            else:
+                part += s * (a - xc[:, None])
+                if HAS_OFFSET:
+                    part += o * xs[:, None]
         if PREFETCH:
             words, s, o = nwords, ns, no
         else:
             words, s, o = _tile(q_ptr, s_ptr, o_ptr, t + 1, offs_p, offs_n, n_ok, N, p_end,
                                 BITS, GROUP, HAS_OFFSET, ONE_GROUP, KP)
-    if not DOT:
+    if not DOT and not ONE_GROUP:
         acc = tl.sum(part, axis=0)[None, :]
     _finish(acc, offs_m, m_ok, offs_n, n_ok, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, s_ym,
-            splits, pid_n, pid_k, HAS_BIAS)
+            splits, pid_n, pid_k, HAS_BIAS, 8)
 
 
 def serves(m: int, bits: int, group_size: int) -> bool:
@@ -295,12 +304,12 @@ def plan(m: int, n: int, k: int, bits: int, sms: int) -> Plan:
     if m == 1:  # 4 warps side by side along N: 512 columns (the scale row's layout is
         # then the words', module doc), 8 word rows each thread
         return fit_splits(Plan(False, 512, 8, 0), n, k, bits, sms)
-    return fit_splits(Plan(True, 64, 16, 0), n, k, bits, sms)
+    return fit_splits(Plan(True, 128, 16, 0, warps=8), n, k, bits, sms)
 
 
 PROGRAMS_PER_SM = 4
 MIN_TILES_PER_SPLIT = 2
-ROW_BUCKETS = (1, 8, 16, 32)
+ROW_BUCKETS = (1, 8, 16)
 # (row bucket, N, K, bits) -> Plan measured best on an H200 (bench/quant.py)
 TUNED: dict[tuple[int, int, int, int], Plan] = {}
 
@@ -352,7 +361,7 @@ def decode_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     tiles = triton.cdiv(n, p.block_n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
-    cnt = _counters(x.device, tiles) if splits > 1 else y
+    cnt = _counters(x.device, tiles)  # (compiled in even when splits == 1)
     # fp32 x: exact fp32 dots; so does the CPU interpreter, whose bf16 dot is wrong
     f32_dot = x.dtype == torch.float32 or x.device.type == "cpu"
     block_m = 1 if not p.dot else max(16, triton.next_power_of_2(m))

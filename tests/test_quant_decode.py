@@ -98,7 +98,8 @@ def test_quant_matmul_sends_few_rows_here_and_plans_fill_the_gpu():
     assert one.splits > 1 and tiles * one.splits >= sms
     k_tiles = 4096 // 8 // one.kp
     assert k_tiles // one.splits >= qd.MIN_TILES_PER_SPLIT
-    assert qd.serves(1, 4, 32) and qd.serves(32, 8, 4) and not qd.serves(33, 4, 32)
+    assert qd.serves(1, 4, 32) and qd.serves(qd.MAX_ROWS, 8, 4)
+    assert not qd.serves(qd.MAX_ROWS + 1, 4, 32)
     assert not qd.serves(1, 4, 36)  # a word's 8 codes would straddle two groups
     q, s, o, _ = make_weight(64, 16, 4, 32, 8, None, False)
     x = torch.randn(1, 64, device=DEV)
