@@ -282,7 +282,7 @@ def _decode_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, c
     if not DOT and not ONE_GROUP:
         acc = tl.sum(part, axis=0)[None, :]
     _finish(acc, offs_m, m_ok, offs_n, n_ok, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, s_ym,
-            splits, pid_n, pid_k, HAS_BIAS, 8)
+            splits, pid_n, pid_k, HAS_BIAS, 8 // BLOCK_M if BLOCK_M < 8 else 1)
 
 
 def serves(m: int, bits: int, group_size: int) -> bool:
