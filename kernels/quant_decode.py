@@ -59,7 +59,7 @@ class Plan:
 
 
 @triton.jit
-def _tile(q_ptr, s_ptr, o_ptr, t, offs_p, offs_n, n_ok, N, p_end,
+def _tile(q_ptr, s_ptr, o_ptr, t, offs_p, offs_n, n_ok, N, NP, p_end,
           BITS: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
           ONE_GROUP: tl.constexpr, KP: tl.constexpr):
     """K tile t: its words [KP, BLOCK_N] and its scales (and offsets) as float32: one row
@@ -71,13 +71,13 @@ def _tile(q_ptr, s_ptr, o_ptr, t, offs_p, offs_n, n_ok, N, p_end,
     # no fill value: a masked word's garbage makes finite floats that meet x = 0 only
     words = tl.load(q_ptr + p[:, None] * N + offs_n[None, :], mask=ok)
     if ONE_GROUP:  # [1, BLOCK_N]: the words' layout, no conversion
-        g = (t * KP * P) // GROUP
-        s = tl.load(s_ptr + g * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
-        s = s.to(tl.float32)
+        # (a prefetch past the last tile reads the last group's row, used by nothing)
+        g = tl.minimum((t * KP * P) // GROUP, tl.cdiv(NP * P, GROUP) - 1)
+        ptrs = g * N + offs_n[None, :]
+        s = tl.load(s_ptr + ptrs, mask=n_ok[None, :], other=0.0).to(tl.float32)
         o = s
         if HAS_OFFSET:
-            o = tl.load(o_ptr + g * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
-            o = o.to(tl.float32)
+            o = tl.load(o_ptr + ptrs, mask=n_ok[None, :], other=0.0).to(tl.float32)
     else:
         g = (p * P) // GROUP
         s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0)
@@ -209,11 +209,11 @@ def _decode_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, c
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # DOT; GEMV in one group a tile
     part = tl.zeros((KP, BLOCK_N), dtype=tl.float32)  # GEMV, else: rows summed at the end
     p_end = tl.minimum(NP, t1 * KP)  # this program's word rows end there
-    words, s, o = _tile(q_ptr, s_ptr, o_ptr, t0, offs_p, offs_n, n_ok, N, p_end, BITS, GROUP,
+    words, s, o = _tile(q_ptr, s_ptr, o_ptr, t0, offs_p, offs_n, n_ok, N, NP, p_end, BITS, GROUP,
                         HAS_OFFSET, ONE_GROUP, KP)
     for t in range(t0, t1):
         if PREFETCH:  # the next tile's loads in flight while this one computes
-            nwords, ns, no = _tile(q_ptr, s_ptr, o_ptr, t + 1, offs_p, offs_n, n_ok, N, p_end,
+            nwords, ns, no = _tile(q_ptr, s_ptr, o_ptr, t + 1, offs_p, offs_n, n_ok, N, NP, p_end,
                                    BITS, GROUP, HAS_OFFSET, ONE_GROUP, KP)
         p = t * KP + offs_p
         p_ok = p < NP
@@ -277,7 +277,7 @@ def _decode_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, c
         if PREFETCH:
             words, s, o = nwords, ns, no
         else:
-            words, s, o = _tile(q_ptr, s_ptr, o_ptr, t + 1, offs_p, offs_n, n_ok, N, p_end,
+            words, s, o = _tile(q_ptr, s_ptr, o_ptr, t + 1, offs_p, offs_n, n_ok, N, NP, p_end,
                                 BITS, GROUP, HAS_OFFSET, ONE_GROUP, KP)
     if not DOT and not ONE_GROUP:
         acc = tl.sum(part, axis=0)[None, :]
