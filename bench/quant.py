@@ -64,6 +64,9 @@ GEMV = [qd.Plan(False, 512, 8, 0), qd.Plan(False, 512, 4, 0), qd.Plan(False, 256
         qd.Plan(False, 128, 4, 0, warps=1), qd.Plan(False, 512, 8, 0, prefetch=False)]
 DOT = [qd.Plan(True, 64, 16, 0), qd.Plan(True, 128, 16, 0, warps=8),
        qd.Plan(True, 64, 16, 0, warps=8), qd.Plan(True, 256, 16, 0, warps=8)]
+# quant_matmul's tiles timed at 32 rows (docs/benchmarks.md's earlier winners there)
+TILES_32 = [qm.Config(32, 128, 128, split=2, unpack=1), qm.Config(32, 128, 128, split=16, unpack=1),
+            qm.Config(16, 32, 128, split=1, stages=4), qm.Config(32, 128, 128, unpack=1)]
 if SMOKE:
     SHAPES, ROWS, ROTATE_BYTES = {"a": (256, 96), "b": (512, 64)}, (1, 5, 40), 1 << 16
     GEMV, DOT = GEMV[:2], DOT[:1]
@@ -214,8 +217,11 @@ def gemm_point(name: str, k: int, n: int, m: int, copy_bw: float, bits: int = 4,
         for p in dict.fromkeys(plans):
             timed(f"decode:{p.name}", lambda w, p=p: qd.decode_matmul(x, *w[:3], bits, group, zp,
                                                                       p=p))
-    tiles = qm.choose(m, n, k, group, sms)
-    timed(f"tiles:{tiles.name}", lambda w: run(w, config=tiles))
+    tiles = [qm.choose(m, n, k, group, sms)]
+    if sweep and m > qd.MAX_ROWS and m <= 32:  # the tiles that won at 32 rows before
+        tiles += [qm.fitted(c, m, n, k, group, sms) for c in TILES_32]
+    for cfg in dict.fromkeys(tiles):
+        timed(f"tiles:{cfg.name}", lambda w, cfg=cfg: run(w, config=cfg))
     if m >= 256:
         timed("dense", lambda w: qm.dense_matmul(x, *w[:3], bits, group, zp))
     quant = {lab: e for lab, e in row["kernels"].items() if "us" in e
@@ -235,7 +241,7 @@ def gemms(copy_bw: float, quick: bool) -> list[dict]:
     rows = []
     for m in ROWS:
         for name, (k, n) in SHAPES.items():
-            rows.append(gemm_point(name, k, n, m, copy_bw, sweep=not quick or m == 1))
+            rows.append(gemm_point(name, k, n, m, copy_bw, sweep=not quick or m in (1, 32)))
             r = rows[-1]
             log(f"W4 {name:7s} M={m:4d}: bf16 {us_of(r, 'bf16'):7.1f} us | tinygemm "
                 f"{us_of(r, 'tinygemm'):7.1f} | auto {us_of(r, 'auto'):7.1f} | best "
@@ -254,10 +260,19 @@ def gemms(copy_bw: float, quick: bool) -> list[dict]:
 
 def tune(rows: list[dict]) -> dict[str, str]:
     """quant_decode.TUNED from the sweep (the fastest correct plan of each measured shape,
-    row bucket and width, sym codes): the engine run uses it."""
+    row bucket and width, sym codes), and quant_matmul.TUNED's tiles for the rows past it:
+    the engine run uses them."""
     table = {}
     for r in rows:
-        if r["asym"] or r["M"] > qd.MAX_ROWS:
+        if r["asym"]:
+            continue
+        if r["M"] > qd.MAX_ROWS:
+            timed = {lab: e["us"] for lab, e in r["kernels"].items()
+                     if lab.startswith("tiles:") and "us" in e}
+            if timed and r["bits"] == 4 and qm.row_bucket(r["M"]) == 32:
+                best = min(timed, key=timed.get)
+                qm.TUNED[(32, r["N"], r["K"])] = config_of(best.split(":", 1)[1])
+                table[f"32,{r['N']},{r['K']},tiles"] = best
             continue
         timed = {lab: e["us"] for lab, e in r["kernels"].items()
                  if lab.startswith("decode:") and "us" in e}
@@ -268,6 +283,14 @@ def tune(rows: list[dict]) -> dict[str, str]:
         qd.TUNED[key] = plan_of(best.split(":", 1)[1])
         table[",".join(map(str, key))] = best
     return table
+
+
+def config_of(name: str) -> qm.Config:
+    """Config.name -> Config (m16n64k128s4w4st3u1g1)."""
+    import re
+    f = [int(v) for v in re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)u(\d+)g(\d+)",
+                                      name).groups()]
+    return qm.Config(*f)
 
 
 def plan_of(name: str) -> qd.Plan:

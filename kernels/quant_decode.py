@@ -59,12 +59,14 @@ class Plan:
 
 
 @triton.jit
-def _tile(q_ptr, s_ptr, o_ptr, t, offs_p, offs_n, n_ok, N, NP, p_end,
+def _tile(q_ptr, s_ptr, o_ptr, x_ptr, t, offs_p, offs_n, n_ok, N, NP, p_end,
           BITS: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
-          ONE_GROUP: tl.constexpr, KP: tl.constexpr):
+          ONE_GROUP: tl.constexpr, X_WORDS: tl.constexpr, KP: tl.constexpr):
     """K tile t: its words [KP, BLOCK_N] and its scales (and offsets) as float32: one row
     [BLOCK_N] when the tile lies in one group (ONE_GROUP), else each word row's
-    [KP, BLOCK_N]. Word rows from p_end on load as 0."""
+    [KP, BLOCK_N]; X_WORDS: the one row of x's values for the tile's word rows, [KP, P / 2]
+    int32 pairs of 16-bit values (the GEMV's PAIRS == 2). Word rows from p_end on load as 0
+    (x's) or as anything finite (the words': they meet x = 0 only)."""
     P: tl.constexpr = 32 // BITS
     p = t * KP + offs_p
     ok = (p < p_end)[:, None] & n_ok[None, :]
@@ -86,7 +88,11 @@ def _tile(q_ptr, s_ptr, o_ptr, t, offs_p, offs_n, n_ok, N, NP, p_end,
         if HAS_OFFSET:
             o = tl.load(o_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0)
             o = o.to(tl.float32)
-    return words, s, o
+    xw = words
+    if X_WORDS:
+        xw = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + (p * (P // 2))[:, None]
+                     + tl.arange(0, P // 2)[None, :], mask=(p < p_end)[:, None], other=0)
+    return words, s, o, xw
 
 
 @triton.jit
@@ -209,12 +215,14 @@ def _decode_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, c
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # DOT; GEMV in one group a tile
     part = tl.zeros((KP, BLOCK_N), dtype=tl.float32)  # GEMV, else: rows summed at the end
     p_end = tl.minimum(NP, t1 * KP)  # this program's word rows end there
-    words, s, o = _tile(q_ptr, s_ptr, o_ptr, t0, offs_p, offs_n, n_ok, N, NP, p_end, BITS, GROUP,
-                        HAS_OFFSET, ONE_GROUP, KP)
+    X_WORDS: tl.constexpr = not DOT and PAIRS == 2
+    words, s, o, xw = _tile(q_ptr, s_ptr, o_ptr, x_ptr, t0, offs_p, offs_n, n_ok, N, NP, p_end,
+                            BITS, GROUP, HAS_OFFSET, ONE_GROUP, X_WORDS, KP)
     for t in range(t0, t1):
         if PREFETCH:  # the next tile's loads in flight while this one computes
-            nwords, ns, no = _tile(q_ptr, s_ptr, o_ptr, t + 1, offs_p, offs_n, n_ok, N, NP, p_end,
-                                   BITS, GROUP, HAS_OFFSET, ONE_GROUP, KP)
+            nwords, ns, no, nxw = _tile(q_ptr, s_ptr, o_ptr, x_ptr, t + 1, offs_p, offs_n, n_ok,
+                                        N, NP, p_end, BITS, GROUP, HAS_OFFSET, ONE_GROUP,
+                                        X_WORDS, KP)
         p = t * KP + offs_p
         p_ok = p < NP
         if DOT:  # W's row p * P + j = ((f - 1) * UNIT - ZP) * s (+ o)
@@ -232,9 +240,7 @@ def _decode_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, c
             a = tl.zeros((KP, BLOCK_N), dtype=tl.float32)
             xc = tl.zeros((KP,), dtype=tl.float32)
             xs = tl.zeros((KP,), dtype=tl.float32)
-            if PAIRS == 2:  # the row's P 16-bit x values in one load, split in registers
-                xw = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + (p * (P // 2))[:, None]
-                             + tl.arange(0, P // 2)[None, :], mask=p_ok[:, None], other=0)
+            if X_WORDS:  # each row's P 16-bit x values came in one load: split them
                 if P == 8:
                     xw01, xw23 = tl.split(tl.reshape(xw, (KP, 2, 2)))
                 else:
@@ -275,10 +281,10 @@ def _decode_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, c
                 if HAS_OFFSET:
                     part += o * xs[:, None]
         if PREFETCH:
-            words, s, o = nwords, ns, no
+            words, s, o, xw = nwords, ns, no, nxw
         else:
-            words, s, o = _tile(q_ptr, s_ptr, o_ptr, t + 1, offs_p, offs_n, n_ok, N, NP, p_end,
-                                BITS, GROUP, HAS_OFFSET, ONE_GROUP, KP)
+            words, s, o, xw = _tile(q_ptr, s_ptr, o_ptr, x_ptr, t + 1, offs_p, offs_n, n_ok, N,
+                                    NP, p_end, BITS, GROUP, HAS_OFFSET, ONE_GROUP, X_WORDS, KP)
     if not DOT and not ONE_GROUP:
         acc = tl.sum(part, axis=0)[None, :]
     _finish(acc, offs_m, m_ok, offs_n, n_ok, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, s_ym,
