@@ -20,8 +20,10 @@ Variants (constexpr, picked per shape by ``choose``; bench/quant.py measures the
            the launch runs 0.
   MAGIC  0: code -> float by conversion; 1: by OR-ing the code into the mantissa of 2**23
          (an int op and a float subtract instead of a quarter-rate conversion).
-Many rows (prefill): at >= DENSE_MIN_ROWS rows the weight is dequantized to a scratch
-[K, N] in x's dtype and multiplied by torch.matmul (cuBLAS). Measured on an H200
+Few rows (decode, up to DECODE_MAX_ROWS): kernels/quant_decode.py's GEMV and tiles, which
+beat these on the H200 (docs/benchmarks.md, "few-rows kernels"); ``config=`` still runs
+these tiles. Many rows (prefill): at >= DENSE_MIN_ROWS rows the weight is dequantized to a
+scratch [K, N] in x's dtype and multiplied by torch.matmul (cuBLAS). Measured on an H200
 (bench/quant.py, Llama-3.1-8B's projections, two calls): at 256 rows that took 32-178 us
 against the best fused tiles' 63-212 us, and at 2,048 rows half the fused time.
 """
