@@ -112,7 +112,10 @@ def test_every_object_validates_against_a_current_release():
     seen = set()
     for f, d in raw_objects():
         if d["kind"] not in CRD_KINDS:
-            validate(d)
+            try:
+                validate(d)
+            except kv.ValidationError as e:
+                pytest.fail(f"{f.relative_to(ROOT)}: {d['kind']}: {e.message}")
             seen.add(d["kind"])
     assert {"StatefulSet", "Deployment", "Service", "Ingress", "NetworkPolicy",
             "PersistentVolume", "PersistentVolumeClaim", "ConfigMap"} <= seen
@@ -282,7 +285,8 @@ def test_every_pod_logs_in_as_its_own_acl_user(renders, monkeypatch, tmp_path):
                 env = pod_env(docs, c)
                 if "PAGEDQ_REDIS_USERNAME" in env:
                     key = password_key(dep, c)
-                    assert env["PAGEDQ_REDIS_USERNAME"] == key and key in names, dep_name
+                    assert env["PAGEDQ_REDIS_USERNAME"] == key and key in names, \
+                        (name, dep_name)
                     users[dep_name] = key
         assert users["pagedq-batch-worker"] == f"batch-{prefix}"
         assert users["pagedq-gateway"] == "gateway"
@@ -344,7 +348,7 @@ def test_every_container_runs_restricted(renders):
             assert pod["automountServiceAccountToken"] is False
             for c in pod["containers"] + pod.get("initContainers", []):
                 sc = c["securityContext"]
-                assert sc["allowPrivilegeEscalation"] is False, c["name"]
+                assert sc["allowPrivilegeEscalation"] is False, (name, c["name"])
                 assert sc["readOnlyRootFilesystem"] and sc["capabilities"]["drop"] == ["ALL"]
                 assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
         ing = one(docs, "Ingress", "pagedq-gateway")
