@@ -51,7 +51,8 @@ def register(sub: argparse._SubParsersAction, parents: Iterable[argparse.Argumen
     s = sub.add_parser("serve", help="Redis + worker(s) + gateway in one command: OpenAI's "
                                      "API for one model on this machine",
                        description="Serve MODEL over OpenAI's HTTP API on this machine: Redis "
-                                   "(--redis-url, else an embedded redis-server), --workers "
+                                   "(--redis-url or $PAGEDQ_REDIS_URL, else an embedded "
+                                   "redis-server), --workers "
                                    "worker processes and the gateway; Ctrl-C stops them all "
                                    "(docs/gateway.md \"pagedq serve\"). Every `pagedq worker` "
                                    "option applies to each worker.",
@@ -220,7 +221,7 @@ def _serve(args, cfg, served: Served, devices: list[str], host: str, port: int,
            stop: _Stop) -> int:
     from pagedq.wire.connection import redact_url
 
-    url = served.start_redis(args.redis_url)
+    url = served.start_redis(args.redis_url or os.environ.get("PAGEDQ_REDIS_URL"))
     env = {"PAGEDQ_REDIS_URL": url}  # by the environment: a password in it stays out of ps
     if args.prefix:
         env["PAGEDQ_PREFIX"] = args.prefix

@@ -167,3 +167,49 @@ def test_children_die_with_a_killed_parent():
     except psutil.TimeoutExpired:
         child.kill()
         pytest.fail("the child outlived its killed parent")
+
+
+def test_two_workers_on_a_given_redis_with_their_own_metrics_ports(redis_server, tiny_dir,
+                                                                     tmp_path):
+    """--redis-url: no embedded Redis; --workers 2: two workers of the model, worker k on
+    --metrics-port + k; SIGTERM stops them (exit 0) and leaves the Redis running."""
+    import urllib.request
+
+    from pagedq.producer import Client
+    from pagedq.wire.settings import Settings
+
+    port, metrics = free_port(), free_port()
+    err = open(tmp_path / "serve.log", "w+")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PAGEDQ_REDIS_URL", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedq", "serve", tiny_dir, "--served-model-name", "tiny",
+         "--redis-url", redis_server.url, "--prefix", "two", "--workers", "2", "--device",
+         "cpu", "--port", str(port), "--metrics-port", str(metrics), "--log-level", "warning"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+        start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        err.seek(0)
+        assert "tiny is served at" in line, err.read()[-3000:]
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        names = sorted(p.name() for p in kids)
+        assert "redis-server" not in names and len(names) == 3, names  # 2 workers, gateway
+        with Client(settings=Settings(redis_url=redis_server.url, prefix="two")) as c:
+            deadline = time.monotonic() + 60
+            while c.served_models().get("tiny") != 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert c.served_models() == {"tiny": 2}
+        for k in (0, 1):
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics + k}/healthz",
+                                        timeout=5) as r:
+                assert r.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0
+        gone, alive = psutil.wait_procs(kids, timeout=10)
+        assert not alive, alive
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert redis_server.ping()  # not ours to stop
