@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from pagedq.engine import prompt_logprobs
 from pagedq.engine.outputs import FinishReason
 from pagedq.engine.sampling_params import SamplingParams
 from pagedq.engine.sequence import SeqStatus, Sequence
@@ -132,6 +133,9 @@ class StepPipeline:
         self.allow_async = allow_async
         self.inflight: InFlight | None = None  # the async step launched, not yet collected
         self.device_wait_s = 0.0  # host time spent waiting for sampled tokens (stats)
+        # live requests asking for prompt logprobs (the engine counts them): steps plan
+        # the prompt positions to score only while there are some
+        self.scoring = 0
 
     def expect(self) -> InFlight | None:
         """Before scheduling: take the step in flight (None if none); each of its rows
@@ -160,8 +164,11 @@ class StepPipeline:
         call's ``collect(prev)``) and None returned; a synchronous one (a row needs host
         values, or async scheduling is off) is returned for collecting now. None also if
         no row samples."""
+        scored = prompt_logprobs.plan(batch) if self.scoring else None
         logits = self.runner.execute(batch, prev.index if prev is not None else None,
                                      prev.tokens if prev is not None else None)
+        if scored:  # the logits' tail rows: prompt positions (read back now: synchronous)
+            logits = prompt_logprobs.score(scored, logits, self.runner.vocab_size)
         sampling = self.scheduler.update_after_step(batch)
         if not sampling:
             return None

@@ -1,13 +1,14 @@
 -- PUBLISH (worker): one call per publish round for every (job, choice) with new tokens.
--- KEYS: job1, out1, job2, out2, ...   ARGV: maxlen, idle_ttl, then per event 8 values:
--- attempt, index, delta, ids, logprobs-json-or-'', channel, choice-or-'', finish_reason-or-''.
+-- KEYS: job1, out1, job2, out2, ...   ARGV: maxlen, idle_ttl, then per event 10 values:
+-- attempt, index, delta, ids, logprobs-json-or-'', channel, choice-or-'', finish_reason-or-'',
+-- prompt-tokens-or-'', prompt-logprobs-json-or-'' (the last two: a job's event 0 only).
 -- Reply: {events written, positions (0-based, in KEYS pairs) of the jobs no longer ours
 --         (attempt moved on, or already terminal)}
 local maxlen, ttl, n = ARGV[1], ARGV[2], #KEYS / 2
 local written, lost = 0, {}
 for j = 0, n - 1 do
   local jk, ok = KEYS[2 * j + 1], KEYS[2 * j + 2]
-  local b = 2 + 8 * j
+  local b = 2 + 10 * j
   -- pcall: a key of another type (a hostile producer) must not fail the whole batch
   local okh, h = pcall(redis.call, 'HMGET', jk, 'attempt', 'status')
   if okh and h[1] == ARGV[b + 1] and h[2] == 'running' then
@@ -21,6 +22,12 @@ for j = 0, n - 1 do
     end
     if ARGV[b + 8] ~= '' then
       f[#f + 1] = 'fr'; f[#f + 1] = ARGV[b + 8]; m.fr = ARGV[b + 8]
+    end
+    if ARGV[b + 9] ~= '' then
+      f[#f + 1] = 'pt'; f[#f + 1] = ARGV[b + 9]; m.pt = ARGV[b + 9]
+    end
+    if ARGV[b + 10] ~= '' then
+      f[#f + 1] = 'plp'; f[#f + 1] = ARGV[b + 10]; m.plp = ARGV[b + 10]
     end
     local r = redis.pcall('XADD', ok, 'MAXLEN', '~', maxlen, out_id(ARGV[b + 2]), unpack(f))
     if type(r) == 'string' then
