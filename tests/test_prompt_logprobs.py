@@ -116,7 +116,7 @@ def test_max_tokens_0_scores_the_prompt_only_and_n_samples_each_get_it(tiny):
     one = eng.generate([ids[:1]], SamplingParams(max_tokens=0, prompt_logprobs=0),
                        use_tqdm=False)[0]
     assert one.token_ids == [] and [e.logprob for e in one.prompt_logprobs] == [None]
-    with pytest.raises(ValueError, match="max_tokens 0"):
+    with pytest.raises(ValueError, match="max_tokens: 0 generates nothing"):
         SamplingParams(max_tokens=0)
 
 

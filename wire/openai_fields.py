@@ -5,13 +5,13 @@ with it (docs/gateway.md's compatibility table is this module in words). Pure.
   ``top_logprobs``, ``user``, ``stop: null``, ``response_format`` and the sampling fields)
   or by the endpoint (``prompt`` lists, ``echo``, ``stream``, ``stream_options``:
   wire/openai_api.py and the gateway);
-* ``IGNORED``: accepted and dropped. None of them can change the output: storage and
-  billing hints (``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``)
+* ``IGNORED``: accepted and dropped. None of them can change the output: storage, caching
+  and billing hints (``store``, ``service_tier``, ``prompt_cache_*``, ``safety_identifier``)
   and controls the models pagedq serves do not have (``reasoning_effort``, ``verbosity``:
   no reasoning model, as vLLM ignores them for such models); ``modalities: ["text"]``;
 * refused (``FieldError``, a 400 naming the field): fields that would change the output and
-  are not served (audio output, ``prediction``, web search, the legacy ``functions``,
-  ``best_of`` above ``n``, a ``suffix``).
+  are not served (audio output, ``prediction``, web search, ``moderation``, the legacy
+  ``functions``, ``best_of`` above ``n``, a ``suffix``).
 
 Invariant: ``check`` is deterministic in its input (the batch ingest re-parses a line after
 a crash and must get the same request).
@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 CHAT, COMPLETION = "chat", "completion"
-IGNORED = ("store", "service_tier", "prompt_cache_key", "safety_identifier",
-           "reasoning_effort", "verbosity")
+IGNORED = ("store", "service_tier", "prompt_cache_key", "prompt_cache_options",
+           "prompt_cache_retention", "safety_identifier", "reasoning_effort", "verbosity")
 # field -> why it is refused (when set to anything but null)
 REFUSED = {
     "audio": "audio output is not served (pagedq generates text)",
@@ -30,6 +30,7 @@ REFUSED = {
     "web_search_options": "web search is not served",
     "functions": "the legacy functions are not served: send tools",
     "function_call": "the legacy function_call is not served: send tool_choice",
+    "moderation": "moderation is not served",
 }
 
 

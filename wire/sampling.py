@@ -172,8 +172,8 @@ class _Rules(BaseModel):
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
         if self.max_tokens == 0 and self.prompt_logprobs is None:
-            raise ValueError("max_tokens 0 generates nothing: it only scores the prompt, "
-                             "with prompt_logprobs")
+            raise ValueError("max_tokens: 0 generates nothing; it only scores the prompt "
+                             "(with prompt_logprobs, or echo and logprobs on /v1/completions)")
         return self
 
 
