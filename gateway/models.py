@@ -1,7 +1,8 @@
 """Which models a tenant's workers serve, as ``/v1/models`` and the 404/503 of a request
 say it: a model is listed while a worker serves it or served it within ``SERVED_WINDOW_S``
-(wire/keys.py: a worker stopped cleanly, crashed, or restarting). Its ``created`` is when
-the oldest of its live workers started, else when its last worker stopped or went silent.
+(wire/keys.py: a worker stopped cleanly, crashed, or restarting). Its ``created`` is the
+time of the answer, as vLLM's: pagedq keeps no model's creation time, and the gateway's
+Redis user may not read the workers' own records (docs/security.md).
 
 A request for a model listed but served by no live worker is a 503 ``no_worker`` with
 Retry-After (the SDKs retry it: a rolling restart goes unnoticed); one for any other model
@@ -33,26 +34,9 @@ async def served(client: AsyncClient, only: str | None = None) -> dict[str, dict
             pipe.zrangebyscore(home.serving(m), now - SERVED_WINDOW_S, "+inf", withscores=True)
         members = await pipe.execute()
     out: dict[str, dict[str, Any]] = {}
-    starts: dict[str, list[str]] = {}
     for m, ms in zip(models, members, strict=True):
-        if not ms:
-            continue
-        live = [w for w, expiry in ms if expiry >= now]
-        out[m] = {"live": len(live), "created": int(max(e for _, e in ms))}
-        starts[m] = live
-    wanted = [(m, w) for m, ws in starts.items() for w in ws]
-    if wanted:
-        async with client.redis.pipeline(transaction=False) as pipe:
-            for _, w in wanted:
-                pipe.hget(home.worker(w), "started_at")
-            started = await pipe.execute()
-        for (m, _), t in zip(wanted, started, strict=True):
-            if t:
-                first = out[m].setdefault("first", float(t))
-                out[m]["first"] = min(first, float(t))
-        for info in out.values():
-            if "first" in info:
-                info["created"] = int(info.pop("first"))
+        if ms:
+            out[m] = {"live": sum(expiry >= now for _, expiry in ms), "created": int(now)}
     return out
 
 
