@@ -38,7 +38,9 @@ Invariants:
     in-flight token is dropped the same way (liveness is checked by Sequence identity).
   * A step stays in flight only if none of its sampling rows needs host-side token values
     before the next step: penalties (the sampler reads output ids) and logprobs (computed
-    with host syncs) make that step synchronous (collected in the same call).
+    with host syncs) make that step synchronous (collected in the same call). A step that
+    computes prompt positions to score (engine/prompt_logprobs.py) reads their logits
+    back in ``launch`` itself, before it samples.
   * Guided rows (engine/guided.py) do not: their grammar masks need the value of the
     token before, so ``launch`` reads the step in flight's token ids once the forward
     pass is queued (the wait ``collect`` would have made next), advances the matchers and

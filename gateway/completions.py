@@ -1,5 +1,6 @@
-"""POST /v1/chat/completions and /v1/completions: submit a job, then stream its events as
-SSE (gateway/stream.py) or wait for its result and answer OpenAI's response body.
+"""POST /v1/chat/completions and /v1/completions: submit a job (completions: one per
+prompt of a list), then stream its events as SSE (gateway/stream.py) or wait for its
+result and answer OpenAI's response body.
 
 A client that goes away (a closed stream, or a closed connection while a non-streaming
 request waits) cancels its job, unless the request asked it to outlive the connection

@@ -1,12 +1,16 @@
-"""An HTTP request body of /v1/completions or /v1/chat/completions -> the JobRequest it
-submits, and what the response needs (stream or not, usage, logprobs, detach, resume).
+"""An HTTP request body of /v1/completions or /v1/chat/completions -> the JobRequests it
+submits (one per prompt of a completions list), and what the response needs (stream or
+not, usage, logprobs, echo, detach, resume).
 
 The body is OpenAI's (``response_format``, ``tools``, ``tool_choice``,
-``parallel_tool_calls``, ``logit_bias`` included); what JobRequest takes beyond it (``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``priority``,
-``lane``, ``timeout_s``, ``metadata``) is accepted too, as vLLM accepts its extras. The
-endpoint shape is wire/openai_api.py's (shared with batch files). Fields of the
-gateway itself go in the extension object ``pagedq``:
+``parallel_tool_calls``, ``logit_bias`` included; the fields that change nothing ignored,
+those not served refused: wire/openai_fields.py); what JobRequest takes beyond it
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``priority``, ``lane``, ``timeout_s``) is accepted too, as vLLM
+accepts its extras. The endpoint shape is wire/openai_api.py's (shared with batch files);
+``stream_options`` takes ``include_usage``, vLLM's ``continuous_usage_stats`` and
+``include_obfuscation`` (ignored). Fields of the gateway itself go in the extension
+object ``pagedq``:
 
 * ``detach`` (bool): the job goes on when the client disconnects (default: cancelled);
   also the header ``X-Pagedq-Detach: 1``;

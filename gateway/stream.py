@@ -12,12 +12,17 @@ event k gives the same chunks, in the same order, on every connection:
   deltas (wire/openai_api.py ``CallStream``: an empty delta until a call's name is out);
 * the final event: one chunk with every choice's ``finish_reason`` (status finished or
   cancelled; ``tool_calls`` for complete calls) or one ``{"error": ...}`` event (failed,
-  expired), then the usage chunk (``stream_options.include_usage``), then ``data: [DONE]``.
+  expired), then the usage chunk (``stream_options.include_usage``), then ``data: [DONE]``;
+* ``continuous_usage_stats``: every chunk's ``usage`` holds the running totals (the
+  prompt's tokens from event 0's ``pt``, the completion's counted by ``ids``);
+* ``echo`` (completions): a choice's first token chunk starts with the prompt, and its
+  logprobs with the prompt's entries (event 0's ``plp``).
 
 A client that reconnects with ``Last-Event-ID: <job>/<k>.<j>`` gets the job's events from
 k on (AsyncClient.stream from index k), minus event k's chunks up to j: no gap, no repeat.
 The state carried across events (a completion's logprob ``text_offset``, a choice's calls
-read so far) is rebuilt by rendering the log before k (``prime``).
+read so far, the usage counted, the prompt to echo) is rebuilt by rendering the log before
+k (``prime``).
 """
 from __future__ import annotations
 
