@@ -29,12 +29,9 @@ import torch
 from pagedq.engine.loader import hf_folder, load_tokenizer, resolve_model
 from pagedq.producer import Client
 from pagedq.wire.settings import Settings
-from pagedq.worker.redis_server import RedisServer
 from tests.model_fixtures import load_hf
-from tests.test_batch_e2e import RqWorker
-from tests.test_gateway import PREFIX, Gateway, make_key
-from tests.waiting import until
-from tests.worker_proc import WorkerProc
+from tests.test_gateway import PREFIX, make_key
+from tests.test_gateway_tools import run_batch, smollm2_gateway
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "smollm2"
@@ -48,21 +45,12 @@ PERSON = {"type": "object", "required": ["name", "age"], "additionalProperties":
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    srv = RedisServer().start()
-    batch_dir = tmp_path_factory.mktemp("gw-compat")
-    w = WorkerProc(srv.url, PREFIX, extra=["--max-num-seqs", "16"]).start(wait=False)
-    gw = Gateway(srv.url, batch_dir, model=MODEL)
-    rq = None
-    try:
-        gw.wait_ready()
-        w.wait_ready()
-        rq = RqWorker(srv.url, batch_dir).start()
-
+    with smollm2_gateway(tmp_path_factory.mktemp("gw-compat")) as (url, gw):
         class Stack:
-            url, gateway, base = srv.url, gw, gw.base
-            key = make_key(srv.url, "--name", "compat")
+            gateway, base = gw, gw.base
+            key = make_key(url, "--name", "compat")
             headers = {"Authorization": f"Bearer {key}"}
-            pq = Client(settings=Settings(redis_url=srv.url, prefix=PREFIX, model=MODEL))
+            pq = Client(settings=Settings(redis_url=url, prefix=PREFIX, model=MODEL))
             sdk = openai.OpenAI(base_url=gw.base + "/v1", api_key=key, max_retries=0)
 
             def post(self, path: str, body: dict, **kw) -> httpx.Response:
@@ -88,12 +76,6 @@ def stack(tmp_path_factory):
 
         yield Stack()
         Stack.pq.close()
-    finally:
-        if rq is not None:
-            rq.stop()
-        assert gw.stop() == 0, gw.log()
-        w.stop(10)
-        srv.cleanup()
 
 
 @pytest.fixture(scope="module")
@@ -432,18 +414,9 @@ def test_a_batch_with_echo_usage_and_invalid_lines(stack, tmp_path):
     bodies = {"echo": {"prompt": "Hello there", "echo": True, "logprobs": 1, "max_tokens": 0},
               "gen": {"prompt": "Hello there", "max_tokens": 3, "temperature": 0, "store": True},
               "bad": {"prompt": ["a", "b"]}}
-    src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"custom_id": k, "method": "POST", "url": url,
-                                       "body": {"model": MODEL, **b}}) + "\n"
-                           for k, b in bodies.items()))
     c = stack.sdk
-    f = c.files.create(file=src.open("rb"), purpose="batch")
-    b = c.batches.create(input_file_id=f.id, endpoint=url, completion_window="24h")
-    b = until(lambda: (x := c.batches.retrieve(b.id)).status in (
-        "completed", "failed", "expired", "cancelled") and x, "the batch ended", 180, 0.2)
+    b, rows = run_batch(c, tmp_path, url, bodies)
     assert b.status == "completed" and b.request_counts.completed == 2, b
-    rows = {r["custom_id"]: r for r in map(json.loads, c.files.content(
-        b.output_file_id).text.splitlines())}
     echo = rows["echo"]["response"]["body"]
     assert echo["choices"][0]["text"] == "Hello there"
     assert echo["choices"][0]["logprobs"]["token_logprobs"][0] is None

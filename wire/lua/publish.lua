@@ -5,6 +5,7 @@
 -- Reply: {events written, positions (0-based, in KEYS pairs) of the jobs no longer ours
 --         (attempt moved on, or already terminal)}
 local maxlen, ttl, n = ARGV[1], ARGV[2], #KEYS / 2
+local OPTIONAL = {{5, 'lp'}, {7, 'c'}, {8, 'fr'}, {9, 'pt'}, {10, 'plp'}}  -- ARGV offset, field
 local written, lost = 0, {}
 for j = 0, n - 1 do
   local jk, ok = KEYS[2 * j + 1], KEYS[2 * j + 2]
@@ -14,20 +15,11 @@ for j = 0, n - 1 do
   if okh and h[1] == ARGV[b + 1] and h[2] == 'running' then
     local f = {'t', 'token', 'i', ARGV[b + 2], 'd', ARGV[b + 3], 'ids', ARGV[b + 4]}
     local m = {t = 'token', i = ARGV[b + 2], d = ARGV[b + 3], ids = ARGV[b + 4]}
-    if ARGV[b + 5] ~= '' then
-      f[#f + 1] = 'lp'; f[#f + 1] = ARGV[b + 5]; m.lp = ARGV[b + 5]
-    end
-    if ARGV[b + 7] ~= '' then
-      f[#f + 1] = 'c'; f[#f + 1] = ARGV[b + 7]; m.c = ARGV[b + 7]
-    end
-    if ARGV[b + 8] ~= '' then
-      f[#f + 1] = 'fr'; f[#f + 1] = ARGV[b + 8]; m.fr = ARGV[b + 8]
-    end
-    if ARGV[b + 9] ~= '' then
-      f[#f + 1] = 'pt'; f[#f + 1] = ARGV[b + 9]; m.pt = ARGV[b + 9]
-    end
-    if ARGV[b + 10] ~= '' then
-      f[#f + 1] = 'plp'; f[#f + 1] = ARGV[b + 10]; m.plp = ARGV[b + 10]
+    for _, o in ipairs(OPTIONAL) do  -- the fields an event carries only when set
+      local v = ARGV[b + o[1]]
+      if v ~= '' then
+        f[#f + 1] = o[2]; f[#f + 1] = v; m[o[2]] = v
+      end
     end
     local r = redis.pcall('XADD', ok, 'MAXLEN', '~', maxlen, out_id(ARGV[b + 2]), unpack(f))
     if type(r) == 'string' then
