@@ -11,7 +11,8 @@ pagedq's sampling extras (``seed``, ``stop``, ``ignore_eos``, ``top_k``, ...) as
 Ignored (they cannot change the output): ``service_tier``, ``prompt_cache_*``,
 ``safety_identifier``, ``reasoning``, ``truncation``, ``text.verbosity``,
 ``stream_options.include_obfuscation``, ``include`` items other than
-``message.output_text.logprobs`` (they name outputs pagedq never makes). Refused, a 400
+``message.output_text.logprobs`` (served: the output text's logprobs; the others name
+outputs pagedq never makes). Refused, a 400
 naming the field: built-in tools (web search, file search, computer use, code
 interpreter, MCP, image generation), image, file and audio inputs, ``background``,
 ``conversation``, ``prompt`` (templates), ``max_tool_calls``, ``moderation``,
@@ -58,11 +59,12 @@ def request_fields(body: dict[str, Any], history: list[dict[str, Any]] | None
     ``history``: the chat of ``previous_response_id`` (its messages and output). FieldError
     naming the field if invalid."""
     data = dict(body)
+    include = data.get("include") or []
+    if not (isinstance(include, list) and all(isinstance(x, str) for x in include)):
+        raise FieldError("include", "include must be a list of strings")
+    if LOGPROBS_ITEM in include:  # the output text's logprobs, without alternatives unless
+        data.setdefault("top_logprobs", 0)  # top_logprobs asks for some
     for name in IGNORED:
-        if name == "include":
-            include = data.get(name) or []
-            if not (isinstance(include, list) and all(isinstance(x, str) for x in include)):
-                raise FieldError(name, "include must be a list of strings")
         data.pop(name, None)
     for name, why in REFUSED.items():
         if data.get(name) not in (None, False):

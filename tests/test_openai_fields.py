@@ -157,4 +157,5 @@ def test_ignored_responses_fields_change_nothing():
     more, _, _ = fields({"input": "x", "service_tier": "auto", "reasoning": {"effort": "low"},
                          "truncation": "auto", "include": [R.LOGPROBS_ITEM],
                          "prompt_cache_key": "k", "safety_identifier": "s"})
-    assert plain == more
+    assert {k: v for k, v in more.items() if k != "logprobs"} == plain
+    assert more["logprobs"] == 0  # include's message.output_text.logprobs is served
