@@ -59,8 +59,10 @@ RQ_PATTERN = "rq:*"  # rq's keys and its pub/sub channels (rq:pubsub:<worker>)
 
 # gateway/*.py outside the scripts and the clients it drives: the uploaded files' records
 # (HSET + ZADD in MULTI, HGETALL, ZREVRANGE, DEL + ZREM), a batch's OpenAI fields (HSET,
-# HMGET), the 404/503 probe of a model (EXISTS on its serving set), logprobs and resumed
-# streams (XRANGE on a job's events). Its own scripts (admit, settle) are parsed.
+# HMGET), a stored response (HSET, HGETALL of its job's record), the models served and the
+# 404/503 probe of a model (SMEMBERS of the models, ZRANGEBYSCORE of their serving sets:
+# the batch rules' @read), logprobs and resumed streams (XRANGE on a job's events). Its own
+# scripts (admit, settle) are parsed.
 GATEWAY_COMMANDS = ("xrange", "exists", "hset", "hmget", "hgetall", "zadd", "zrevrange",
                     "zrem", "del", "multi", "exec", "discard")
 
