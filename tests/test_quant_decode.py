@@ -4,30 +4,18 @@ shapes (set before the kernel modules are imported, as in tests/test_quant_kerne
 with CUDA the same cases run on the GPU, CUDA graphs included."""
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+from tests.interpreted import CUDA, DEV, interpreted  # first: sets the interpreter up
 
-import pagedq.kernels.quant_decode as qd  # noqa: E402
-import pagedq.kernels.quant_matmul as qm  # noqa: E402
-from pagedq.kernels import reference  # noqa: E402
-from tests.test_quant_kernels import TOL, make_weight, relerr  # noqa: E402
+# isort: split
+import pagedq.kernels.quant_decode as qd
+import pagedq.kernels.quant_matmul as qm
+from pagedq.kernels import reference
+from tests.test_quant_kernels import TOL, make_weight, relerr
 
-if INTERP:
-    from triton.runtime.interpreter import InterpretedFunction
-    if not isinstance(qd._decode_kernel, InterpretedFunction):
-        importlib.reload(qd)
-        importlib.reload(qm)
-
-DEV = "cpu" if INTERP else "cuda"
+interpreted((qd, "_decode_kernel"), (qm, "_qmm_kernel"))
 
 FORMATS = [  # (bits, group, zero_point, offsets dtype, act-order, bias)
     (4, 32, 8, None, False, False),  # GGUF Q4_0 / GPTQ sym g32
