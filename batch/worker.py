@@ -25,6 +25,7 @@ from .runtime import Runtime, configure, new_token, runtime
 from .settings import MAX_WINDOW_S, BatchSettings
 
 EXIT_WATCHDOG_FAULT = 71  # as a pagedq worker's fault in a thread (worker/fatal.py)
+PUBSUB_POLL_S = 1.0  # rq's pub/sub thread's wait for a command (a shutdown waits for it)
 
 
 def rearm_stale(rt: Runtime) -> int:
@@ -66,6 +67,20 @@ def run_worker(redis_url: str, prefix: str, settings: Settings, bs: BatchSetting
     from rq import SimpleWorker
     from rq.serializers import JSONSerializer
 
+    class _Worker(SimpleWorker):
+        def subscribe(self) -> None:
+            """rq's, with its pub/sub thread waking every PUBSUB_POLL_S, not every 60 s: a
+            warm shutdown stops that thread, and redis-py >= 8's stop() waits for it to
+            wake (rq's own join has a timeout; that one has none), so a SIGTERM could take
+            a minute to end the process."""
+            self.log.info("Worker %s: subscribing to channel %s", self.name,
+                          self.pubsub_channel_name)
+            self.pubsub = self.connection.pubsub()
+            self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+            self.pubsub_thread = self.pubsub.run_in_thread(
+                sleep_time=PUBSUB_POLL_S, daemon=True,
+                exception_handler=getattr(self, "_pubsub_exception_handler", None))
+
     configure(redis_url, settings, bs)
     rt = runtime(prefix)
     # fail here, with one line, if Redis refuses the credentials or the TLS set-up
@@ -74,9 +89,9 @@ def run_worker(redis_url: str, prefix: str, settings: Settings, bs: BatchSetting
     probe(settings, rq_url)
     rt.r.ping()
     rearm_stale(rt)
-    worker = SimpleWorker([bs.batch_queue], connection=connect(settings, rq_url, cluster=False),
-                          serializer=JSONSerializer, name=name,
-                          maintenance_interval=int(max(10, bs.batch_lease_s)))
+    worker = _Worker([bs.batch_queue], connection=connect(settings, rq_url, cluster=False),
+                     serializer=JSONSerializer, name=name,
+                     maintenance_interval=int(max(10, bs.batch_lease_s)))
     dog = Watchdog(rt, worker.log)
     dog.start()
     try:
