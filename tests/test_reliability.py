@@ -19,6 +19,7 @@ from pagedq.wire.keys import GROUP
 from pagedq.wire.schema import FinalEvent
 from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
+from tests.queue_helpers import move, queued
 from tests.tiny_service import MODEL
 from tests.worker_proc import WorkerProc
 
@@ -68,6 +69,7 @@ def test_ack_lost_after_result_written_gives_no_second_result(svc):
     c = svc.client()
     r = c.redis
     job = gen(c, max_tokens=5)
+    assert move(r, c.keys, MODEL) == 1
     r.xreadgroup(GROUP, "ghost", {c.keys.jobs(MODEL): ">"}, count=1)  # a worker took it...
     r.hincrby(c.keys.job(job), "attempt", 1)
     r.hset(c.keys.job(job), "status", "running")
@@ -197,7 +199,7 @@ def test_flood_beyond_caps_is_refused_with_overloaded(svc):
         gen(c, f"{i}")
     with pytest.raises(Overloaded):
         gen(c, "one too many")
-    assert c.redis.xlen(c.keys.jobs(MODEL)) == 5
+    assert len(queued(c.redis, c.keys, MODEL)) == 5
     svc.worker()
     c2 = svc.client(max_queued_jobs=5)
     deadline = time.time() + 60

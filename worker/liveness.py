@@ -34,13 +34,16 @@ class Heartbeat:
     (from the engine loop, or from the watchdog while a step runs within its limit). The
     worker's entry in ``{P}:serving:{model}`` is scored by its heartbeat's expiry time;
     members silent for PRUNE_AFTER_S are pruned there and in ``{P}:workers``.
-    ``device`` and ``max_num_seqs`` describe the engine for ``pagedq inspect``."""
+    ``device`` and ``max_num_seqs`` describe the engine for ``pagedq inspect``;
+    ``vocab_size`` (announced in ``{P}:vocab``) lets the gateway refuse token ids outside
+    the model's vocabulary."""
 
     def __init__(self, ident: WorkerIdentity, publisher: Publisher, *, device: str = "",
-                 max_num_seqs: int = 0) -> None:
+                 max_num_seqs: int = 0, vocab_size: int = 0) -> None:
         self.ident, self.publisher = ident, publisher
         self._static = {"device": device, "max_num_seqs": max_num_seqs,
                         "started_at": f"{time.time():.3f}"}
+        self.vocab_size = vocab_size
 
     def beat(self, jobs: list[Job], kv_usage: float) -> None:
         """``jobs``: the jobs the worker owns now (their leases are refreshed). Its hash
@@ -77,6 +80,8 @@ class Heartbeat:
                     pipe.expire(wk, ttl)
                     pipe.zadd(keys.workers, {ident.worker_id: now})
                     pipe.zremrangebyscore(keys.workers, "-inf", prune_before)
+                    if self.vocab_size:
+                        pipe.hset(keys.vocab, ident.model, self.vocab_size)
                 pipe.zadd(serving, {ident.worker_id: now + ttl})
                 pipe.sadd(keys.models, ident.model)
                 pipe.zremrangebyscore(serving, "-inf", prune_before)

@@ -60,6 +60,12 @@ class Metrics:
         self.generation_tokens = c("generation_tokens", "Tokens generated")
         self.preemptions = c("num_preemptions", "Preemptions by recompute")
         self.reclaims = c("reclaims", "Entries reclaimed from dead or stale workers")
+        self.redis_oom = c("redis_oom_errors", "Writes a full Redis refused (maxmemory), "
+                                               "each retried")
+        self.streams_recreated = c("streams_recreated", "Jobs streams or groups made again "
+                                                        "after Redis lost its data")
+        self.degraded = g("degraded", "1 while the worker is degraded (a full Redis refuses "
+                                      "its writes), else 0")
         self.finished = Counter("pagedq:request_success", "Jobs ended, by status",
                                 ["status"], registry=reg)
         self.gpu: GpuCollector | None = None

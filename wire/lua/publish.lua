@@ -22,7 +22,7 @@ for j = 0, n - 1 do
     if ARGV[b + 8] ~= '' then
       f[#f + 1] = 'fr'; f[#f + 1] = ARGV[b + 8]; m.fr = ARGV[b + 8]
     end
-    local r = redis.pcall('XADD', ok, 'MAXLEN', '~', maxlen, out_id(ARGV[b + 2]), unpack(f))
+    local r = add_event(ok, 'MAXLEN', '~', maxlen, out_id(ARGV[b + 2]), unpack(f))
     if type(r) == 'string' then
       redis.call('PUBLISH', ARGV[b + 6], cjson.encode(m))
       written = written + 1
