@@ -35,6 +35,7 @@ import redis.asyncio
 from . import lua
 from .connection import RETRYABLE, is_cluster
 from .errors import StorageFull
+from .lua import rq_scripts
 
 
 class LibraryMissing(redis.ConnectionError):
@@ -267,10 +268,11 @@ def _library_missing(e: BaseException) -> LibraryMissing:
                           "or run `pagedq functions load` as admin")
 
 
-def installed_version(r: Any) -> str | None:
-    """The version of the pagedq library Redis holds (``pagedq_version``), None if none."""
+def installed_version(r: Any, function: str = lua.VERSION_FUNCTION) -> str | None:
+    """The version of the library Redis holds (its version function: ``pagedq_version``,
+    or rq's ``pagedq_rq_version``), None if none."""
     try:
-        v = r.execute_command("FCALL_RO", lua.VERSION_FUNCTION, 0)
+        v = r.execute_command("FCALL_RO", function, 0)
     except redis.ResponseError as e:
         if missing(e):
             return None
@@ -278,26 +280,38 @@ def installed_version(r: Any) -> str | None:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def _libraries(r: Any) -> list[tuple[str, str, str]]:
+    """(text, version, version function) of the libraries to load: pagedq's, and rq's
+    scripts' when rq is installed (pagedq.wire.lua.rq_scripts)."""
+    cluster = is_cluster(r)
+    libs = [(lua.library(cluster), lua.library_version(cluster), lua.VERSION_FUNCTION)]
+    if not cluster and (text := rq_scripts.library()) is not None:  # (rq: no cluster)
+        libs.append((text, rq_scripts.version(), rq_scripts.VERSION_FUNCTION))
+    return libs
+
+
 def load_library(r: Any) -> None:
-    """FUNCTION LOAD REPLACE of the library (Redis >= 7); LibraryMissing when this user
+    """FUNCTION LOAD REPLACE of the libraries (Redis >= 7); LibraryMissing when this user
     may not (on a cluster redis-py sends it to every master)."""
     try:
-        r.function_load(lua.library(is_cluster(r)), replace=True)
+        for text, _version, _fn in _libraries(r):
+            r.function_load(text, replace=True)
     except redis.exceptions.NoPermissionError as e:
         raise _library_missing(e) from e
 
 
 def ensure_library(r: Any) -> str | None:
-    """Redis >= 7: load the library unless Redis holds this version of it (an older or
-    newer one is replaced: an upgrade in place). Returns the version found before when it
-    loaded ("" for none), None when nothing was done (the same version, or Redis 6.2)."""
+    """Redis >= 7: load the libraries unless Redis holds these versions of them (an older
+    or newer one is replaced: an upgrade in place). Returns what was found before when it
+    loaded (the versions, "" for none), None when nothing was done (the same versions, or
+    Redis 6.2)."""
     if not prepare(r):
         return None
-    found = installed_version(r)
-    if found == lua.library_version(is_cluster(r)):
+    found = [installed_version(r, fn) for _text, _v, fn in _libraries(r)]
+    if found == [v for _text, v, _fn in _libraries(r)]:
         return None
     load_library(r)
-    return found or ""
+    return ",".join(v or "" for v in found if v)
 
 
 def pipelined(r: Any, calls: list[ScriptCall]) -> list[Any]:

@@ -104,5 +104,5 @@ redis.call('INCR', KEYS[5])
 redis.call('SADD', KEYS[7], model)
 redis.call('RPUSH', inbox, id .. '\n' .. ARGV[10] .. '\n' .. ARGV[2])
 -- one doorbell per job for the idle workers (BLPOP); a few dozen are enough to wake them all
-if redis.call('RPUSH', KEYS[8], '1') > 64 then redis.call('LTRIM', KEYS[8], -64, -1) end
+if redis.call('LLEN', KEYS[8]) < 64 then redis.call('RPUSH', KEYS[8], '1') end
 return {'queued', ''}
