@@ -204,6 +204,20 @@ class Publisher:
         self._thread.join(timeout)
 
     # ---- the thread -------------------------------------------------------------------
+    def _keepalive(self, calls: list) -> None:
+        """The heartbeat and lease refreshes of a round that is waiting for Redis to take
+        its results: sent on their own, so the worker keeps its jobs meanwhile (REFRESH
+        runs on a full Redis: XCLAIM never grows it, and its function may exceed maxmemory)."""
+        if not calls:
+            return
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for fn in calls:
+                fn(pipe)
+            pipe.execute(raise_on_error=False)
+        except RETRYABLE:
+            pass
+
     def _run(self) -> None:
         while not self._stop.is_set():
             items: list[Message] = [self._q.get()]
@@ -321,6 +335,7 @@ class Publisher:
                     self.errors += 1
                     self.on_redis_full("publisher", str(why) if script.is_oom(why) else "")
                     log.warning("publish_retry", error=str(why), backoff_s=backoff)
+                    self._keepalive(calls)
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
                     continue
