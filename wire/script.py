@@ -344,3 +344,40 @@ async def pipelined_async(r: Any, calls: list[ScriptCall]) -> list[Any]:
         await load_async(r, [c.SCRIPT for c in calls])
     raise_retryable(replies)
     return results(calls, replies)
+
+
+# ---- rq's Lua (the batch control plane's rq connection: batch/rq_redis.py) ---------------
+
+class _RqFunction:
+    """What ``RqRedis.register_script`` returns, called as redis-py's Script is (``keys``,
+    ``args``, ``client``: a pipeline queues the call): rq's script text runs as its function
+    of the ``pagedq_rq`` library (pagedq.wire.lua.rq_scripts) on Redis >= 7, else (6.2, or
+    a text the library does not hold) as redis-py's Script (EVALSHA)."""
+
+    def __init__(self, registered_client: redis.Redis, text: str | bytes) -> None:
+        self.registered_client, self.script = registered_client, text
+        name = rq_scripts.function_name(text)
+        self.function = name if name in rq_scripts.texts() else None
+        self._script = redis.commands.core.Script(registered_client, text)
+
+    def __call__(self, keys: list | None = None, args: list | None = None,
+                 client: Any = None) -> Any:
+        keys, args = list(keys or []), list(args or [])
+        client = client if client is not None else self.registered_client
+        if self.function is None or not prepare(self.registered_client):
+            return self._script(keys, args, client)
+        try:
+            return client.fcall(self.function, len(keys), *keys, *args)
+        except redis.ResponseError as e:
+            if not missing(e):
+                raise
+            load_library(self.registered_client)  # LibraryMissing when it may not
+            return client.fcall(self.function, len(keys), *keys, *args)
+
+
+class RqRedis(redis.Redis):
+    """A redis.Redis whose ``register_script`` runs rq's scripts as functions, so that the
+    batch and gateway users need neither EVAL, EVALSHA nor SCRIPT (docs/security.md)."""
+
+    def register_script(self, script: str | bytes) -> _RqFunction:  # type: ignore[override]
+        return _RqFunction(self, script)

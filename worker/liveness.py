@@ -119,6 +119,7 @@ def read_queue_metrics(ident: WorkerIdentity, metrics: Metrics) -> None:
             pipe.xpending(stream, GROUP)
             pipe.xlen(k.dlq(ident.model, lane))
             pipe.xpending_range(stream, GROUP, min="-", max="+", count=1)
+            pipe.llen(k.inbox(ident.model, lane))
         res = pipe.execute()
     except Exception as e:  # noqa: BLE001 - metrics must never take the worker down
         log.warning("queue_metrics_failed", error=str(e))
@@ -126,9 +127,9 @@ def read_queue_metrics(ident: WorkerIdentity, metrics: Metrics) -> None:
     # (prefix, lane) -> length, pending, dlq, oldest; summed over the lane's streams
     total = {(k.prefix, lane): [0, 0, 0, 0.0] for k, lane in where}
     for i, (k, lane) in enumerate(where):
-        length, pend, dlq, oldest = res[4 * i:4 * i + 4]
+        length, pend, dlq, oldest, inbox = res[5 * i:5 * i + 5]
         t = total[k.prefix, lane]
-        t[0] += length
+        t[0] += length + inbox  # the lane's unfinished jobs: in its stream or its inbox
         t[1] += pend["pending"] if isinstance(pend, dict) else 0
         t[2] += dlq
         t[3] = max(t[3], oldest[0]["time_since_delivered"] / 1000 if oldest else 0)

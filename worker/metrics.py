@@ -43,7 +43,8 @@ class Metrics:
         self.running = g("num_requests_running", "Requests in the running batch")
         self.waiting = g("num_requests_waiting", "Requests admitted but waiting in the engine")
         self.kv_usage = g("kv_cache_usage_perc", "Share of KV-cache blocks in use (0-1)")
-        self.stream_length = queue_g("stream_length", "Entries in the lane's jobs stream")
+        self.stream_length = queue_g("stream_length", "Unfinished jobs of the lane: entries "
+                                                      "of its jobs stream and its inbox")
         self.pending = queue_g("pending_count", "Entries delivered but not acknowledged")
         self.oldest_pending = queue_g("oldest_pending_age_seconds", "Idle time of the oldest pending entry")
         self.dlq_size = queue_g("dlq_size", "Entries in the dead-letter stream")
