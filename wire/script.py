@@ -31,6 +31,8 @@ from typing import Any, ClassVar
 
 import redis
 import redis.asyncio
+import redis.asyncio.cluster
+import redis.cluster
 
 from . import lua
 from .connection import RETRYABLE, is_cluster
@@ -45,20 +47,18 @@ class LibraryMissing(redis.ConnectionError):
     for PAGEDQ_CLIENT_RETRY_S as an outage."""
 
 
-_MODE = "_pagedq_functions"  # attribute of a pool (or cluster node manager): FCALL or not
+_MODE = "_pagedq_functions"  # attribute of a connection pool: FCALL or not
+_CLUSTER_PIPES = (redis.cluster.ClusterPipeline, redis.asyncio.cluster.ClusterPipeline)
 
 
 def _owner(x: Any) -> Any:
-    """What a client and its pipelines share: the connection pool, a cluster client's node
-    manager (an asyncio cluster pipeline: its client's)."""
-    for name in ("connection_pool", "nodes_manager"):
-        if (o := getattr(x, name, None)) is not None:
-            return o
-    client = getattr(x, "_client", None) or getattr(x, "cluster_client", None)
-    return _owner(client) if client is not None and client is not x else x
+    """What a client and its pipelines share: the connection pool."""
+    return getattr(x, "connection_pool", None) or x
 
 
 def _known(x: Any) -> bool | None:
+    if is_cluster(x) or isinstance(x, _CLUSTER_PIPES):  # a Redis Cluster of pagedq is >= 7
+        return True
     return getattr(_owner(x), _MODE, None)
 
 
