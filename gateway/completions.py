@@ -26,7 +26,7 @@ from pagedq.wire.schema import FinalEvent, JobRecord, Status
 
 from .apikeys import Admitted
 from .errors import APIError, from_pagedq
-from .requests import Generation, generation, parse_json
+from .requests import Generation, check_vocabulary, generation, parse_json
 from .stream import Renderer, final_error, frame, prime, sse
 
 log = logging.getLogger("pagedq.gateway")
@@ -52,6 +52,9 @@ async def handle(gw: Any, kind: str, request: Request) -> Response:
     client = gw.tenants.client(adm.tenant)
     try:
         if gen.resume is None:
+            if isinstance(gen.req.prompt, list) or gen.req.logit_bias:
+                size = await client.redis.hget(client.keys.vocab, gen.req.model)
+                check_vocabulary(gen.req, int(size) if size else None)
             await submit(gw, client, gen)
         else:
             await client.status(gen.job_id)  # 404 now rather than an error event later

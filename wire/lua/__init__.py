@@ -96,8 +96,9 @@ SCRIPTS: dict[str, Script] = {s.name: s for s in (
     Script("batch_transition", _BATCH, "now"),
     Script("batch_clock", _BATCH, "now"),
     Script("batch_rearm", _BATCH, "now"),
-    Script("admit", frozenset({"gateway"}), None),
-    Script("settle", frozenset({"gateway"}), None),
+    # (a request's rate window: a full Redis still admits it, and SUBMIT refuses the job)
+    Script("admit", frozenset({"gateway"}), None, flags=_OOM),
+    Script("settle", frozenset({"gateway"}), None, flags=_OOM),
 )}
 NAMES = tuple(SCRIPTS)
 _TERMINAL_LINE = "local TERMINAL = {} --@terminal"
