@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import redis
 
 from pagedq.producer import Client
 from pagedq.wire.errors import JobNotFound, StorageFull
@@ -157,3 +158,28 @@ def test_a_full_redis_refuses_submits_and_loses_no_running_job(service, kind):
     assert '"redis_full"' in log and '"redis_writes_resumed"' in log
     assert '"worker_fault"' not in log and '"entry_rejected"' not in log, log[-3000:]
     assert c.result(gen(c, "after", max_tokens=4), timeout=60).status == "finished"
+
+
+def test_the_function_library_is_loaded_and_upgraded_in_place(tmp_path, capsys):
+    """Redis 7: a worker (script.ensure_library) or `pagedq functions load` loads pagedq's
+    libraries unless Redis holds these versions; another version is replaced in place."""
+    from pagedq.cli import main
+    from pagedq.wire import lua, script
+
+    srv = server("7", tmp_path)
+    r = redis.Redis.from_url(srv.url, decode_responses=True)
+    try:
+        assert script.installed_version(r) is None
+        r.function_load("#!lua name=pagedq\nredis.register_function{function_name = "
+                        "'pagedq_version', callback = function() return 'old' end, "
+                        "flags = {'no-writes'}}")
+        assert main(["--redis-url", srv.url, "functions", "load"]) == 0
+        assert capsys.readouterr().out.startswith(f"loaded pagedq {lua.library_version()}")
+        assert script.installed_version(r) == lua.library_version()
+        assert script.ensure_library(r) is None  # the same versions: nothing done
+        assert main(["--redis-url", srv.url, "functions", "load"]) == 0
+        assert capsys.readouterr().out.startswith("already loaded")
+        assert r.fcall("pagedq_served", 1, "{x}:models", "{x}") == []
+    finally:
+        r.close()
+        srv.cleanup()

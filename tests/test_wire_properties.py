@@ -262,6 +262,7 @@ BAD_ENTRIES = {  # XADDed directly, bypassing the script
     "job id not utf8": lambda j: {"job": b"\xc3\x28", "body": good_body(j)},
     "lone surrogate escape": lambda j: {"job": j, "body": good_body(j, prompt="\ud800")},
     "lane differs": lambda j: {"job": j, "body": good_body(j, lane="batch")},
+    "unknown schema version": lambda j: {"job": j, "body": good_body(j), "v": "2"},
 }
 BAD_SCRIPT_ARGS = {
     "qtok not a number": dict(qtok="abc"),
