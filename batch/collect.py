@@ -26,7 +26,7 @@ from .ingest import cancel_jobs, errors_object, load_manifest
 from .record import BATCH_TERMINAL
 from .record import BatchStatus as S
 from .runtime import Runtime, new_token
-from .shape import CANCELLED, EXPIRED, error_line, outcome
+from .shape import CANCELLED, EXPIRED, error_line, outcome, usage_of
 
 LEASE = "tick_lease"
 COLLECT_CHUNK = 1000
@@ -95,7 +95,8 @@ class Tick:
                 append_rows(self.files.output, outs)
             if errs:
                 append_rows(self.files.errors, errs)
-            if not self.rt.store.commit(self.batch_id, self.token, len(items), cut):
+            if not self.rt.store.commit(self.batch_id, self.token, len(items), cut,
+                                        usage_of(outs)):
                 return False
 
     def shape(self, items: list[str]) -> tuple[list[dict], list[dict], int]:
@@ -120,7 +121,7 @@ class Tick:
     def logprob_events(self, found: list[tuple[L.Line, str]],
                        records: list[dict[str, str]]) -> dict[str, list[dict[str, str]]]:
         want = [jid for (ln, jid), rec in zip(found, records, strict=True)
-                if ln.logprobs and rec.get("status") == "finished"]
+                if (ln.logprobs or ln.echo) and rec.get("status") == "finished"]
         if not want:
             return {}
         with self.rt.r.pipeline(transaction=False) as pipe:

@@ -76,7 +76,7 @@ def validate(rt: Runtime, batch_id: str, h: dict[str, str], files: BatchFiles,
                              [{"code": "input_unreadable", "message": str(e)}])))
         return False
     write_rows(files.manifest, (ln.row() for ln in valid))
-    write_rows(files.invalid, (invalid_line(e) for e in invalid))
+    write_rows(files.invalid, (invalid_line(e, batch_id) for e in invalid))
     files.output.touch()  # (never truncates: the collector may be appending already)
     files.errors.touch()
     fields = dict(validated=1, lines=n, total=len(valid), invalid=len(invalid), cursor=1,
@@ -86,7 +86,7 @@ def validate(rt: Runtime, batch_id: str, h: dict[str, str], files: BatchFiles,
     if store.lease(batch_id, LEASE, token, lease_s, **fields) != 1:
         return False
     if not valid:  # no job will ever append: the error file is the invalid lines
-        write_rows(files.errors, (invalid_line(e) for e in invalid))
+        write_rows(files.errors, (invalid_line(e, batch_id) for e in invalid))
         store.transition(batch_id, (S.validating,), S.failed, rt.bs.batch_record_ttl_s,
                          final_completed=0, final_failed=n, errors=json.dumps(errors_object(
                              [{"code": e.code, "message": e.message, "line": e.line}

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 
 from pydantic import ValidationError
 
-from pagedq.wire.openai_api import ENDPOINTS, body_problem
+from pagedq.wire.openai_api import ENDPOINTS, FieldError, shape
 from pagedq.wire.schema import JobRequest, describe
 
 LANE = "batch"  # the jobs stream lane every batch job rides
@@ -48,15 +48,17 @@ class Line:
     kind: str  # "completion" or "chat"
     logprobs: bool  # the request asked for log-probabilities
     tools: bool = False  # its tools were active: its output may be calls (wire/tools.py)
+    echo: bool = False  # a completion's echo: its prompt (from its event 0) before its text
 
     def row(self) -> list[Any]:
-        return [self.line, self.custom_id, self.kind, self.logprobs, self.tools]
+        return [self.line, self.custom_id, self.kind, self.logprobs, self.tools, self.echo]
 
     @classmethod
     def from_row(cls, row: list[Any]) -> Line:
-        # rows written before tools existed have four fields
+        # rows written before tools (echo) existed have four (five) fields
         return cls(int(row[0]), str(row[1]), str(row[2]), bool(row[3]),
-                   bool(row[4]) if len(row) > 4 else False)
+                   bool(row[4]) if len(row) > 4 else False,
+                   bool(row[5]) if len(row) > 5 else False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,7 @@ class Parsed:
     custom_id: str
     kind: str
     data: dict[str, Any]  # JobRequest fields, without id, lane, timeout_s
+    echo: bool = False
 
 
 def job_id(batch_id: str, line: int) -> str:
@@ -112,20 +115,30 @@ def parse(raw: bytes, line: int, model: str) -> Parsed | LineError:
         return LineError(line, cid, "model_mismatch",
                          f"body model {body_model!r} is not the batch's model {model!r}")
     problem = _shape_problem(kind, data)
-    if problem:
+    if isinstance(problem, str):
         return LineError(line, cid, "invalid_request", problem)
-    return Parsed(line, cid, kind, data)
+    return Parsed(line, cid, kind, data, problem)
 
 
-def _shape_problem(kind: str, data: dict[str, Any]) -> str | None:
-    """Checks JobRequest cannot make: a batch's own (no stream, no fields the batch sets),
-    then the endpoint's (wire/openai_api.py, shared with the HTTP gateway)."""
+def _shape_problem(kind: str, data: dict[str, Any]) -> str | bool:
+    """Checks JobRequest cannot make: a batch's own (no stream, no fields the batch sets,
+    one prompt), then the endpoint's (wire/openai_api.py, shared with the HTTP gateway);
+    the line's ``echo`` if it passes."""
     if data.pop("stream", False) not in (False, None):
         return "stream is not supported in a batch"
     for name in BATCH_FIELDS:
         if name in data:
             return f"{name} is set by the batch, not by a line"
-    return body_problem(kind, data)
+    try:
+        sh = shape(kind, data)
+    except FieldError as e:
+        return str(e)
+    if len(sh.prompts) != 1:
+        return ("prompt: one prompt per batch line (a list of several is served by the "
+                "gateway's /v1/completions)")
+    if sh.prompts[0] is not None:
+        data["prompt"] = sh.prompts[0]
+    return sh.echo
 
 
 def request(p: Parsed, batch_id: str, model: str,
@@ -165,4 +178,5 @@ class Validator:
         req = request(p, self.batch_id, self.model)
         if isinstance(req, LineError):
             return req
-        return Line(line, p.custom_id, p.kind, req.logprobs is not None, req.tools_active)
+        return Line(line, p.custom_id, p.kind, req.logprobs is not None, req.tools_active,
+                    p.echo)

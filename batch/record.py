@@ -49,6 +49,17 @@ class RequestCounts(BaseModel):
     failed: int = 0
 
 
+class Usage(BaseModel):
+    """Tokens of the batch's output lines so far (OpenAI's batch ``usage``)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
 class Batch(BaseModel):
     id: str
     object: str = "batch"
@@ -69,6 +80,7 @@ class Batch(BaseModel):
     cancelled_at: int | None = None
     expires_at: int | None = None
     request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    usage: Usage = Field(default_factory=Usage)
     errors: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     retry_of: str | None = None
@@ -101,6 +113,7 @@ class Batch(BaseModel):
             error_file=h.get("error_file", ""), **times,
             request_counts=RequestCounts(total=n("lines") if h.get("validated") else 0,
                                          completed=completed, failed=failed),
+            usage=Usage(input_tokens=n("usage_in"), output_tokens=n("usage_out")),
             errors=json.loads(h["errors"]) if h.get("errors") else None,
             metadata=json.loads(h["metadata"]) if h.get("metadata") else None,
             retry_of=h.get("retry_of") or None, queue=h.get("queue", ""), invalid=n("invalid"),

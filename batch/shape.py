@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedq.wire.openai_api import choices_of, response_body, token_logprobs
+from pagedq.wire.openai_api import Echo, choices_of, prompt_head, response_body, token_logprobs
 from pagedq.wire.schema import FinishReason, Status
 
 from .lines import Line, LineError
+from .lines import job_id as job_id_of
 
 # error codes of lines that were valid but produced no output
 EXPIRED, CANCELLED = "batch_expired", "batch_cancelled"
@@ -35,8 +36,16 @@ def error_line(custom_id: str | None, code: str, message: str, *, job_id: str | 
             "response": None, "error": err}
 
 
-def invalid_line(e: LineError) -> dict[str, Any]:
-    return error_line(e.custom_id, e.code, e.message, line=e.line)
+def invalid_line(e: LineError, batch_id: str) -> dict[str, Any]:
+    """A line that never became a job: its id is the one its job would have had."""
+    return error_line(e.custom_id, e.code, e.message, job_id=job_id_of(batch_id, e.line),
+                      line=e.line)
+
+
+def usage_of(outs: list[dict[str, Any]]) -> tuple[int, int]:
+    """(prompt, completion) tokens of output lines."""
+    us = [o["response"]["body"]["usage"] for o in outs]
+    return sum(u["prompt_tokens"] for u in us), sum(u["completion_tokens"] for u in us)
 
 
 def outcome(ln: Line, job_id: str, h: dict[str, str], model: str, *, batch_cancelled: bool,
@@ -83,11 +92,13 @@ def _for_want_of_time(h: dict[str, str], error: str) -> bool:
 def result_line(ln: Line, job_id: str, h: dict[str, str], model: str,
                 events: list[dict[str, str]] | None = None) -> dict[str, Any]:
     choices = choices_of(h)
-    lps = token_logprobs(events, len(choices)) if events is not None else None
+    lps = token_logprobs(events, len(choices)) if events is not None and ln.logprobs else None
+    # the prompt as its tokens spell it (the line's text is not at hand here)
+    echo = Echo.of(None, prompt_head(events or [])[1], ln.logprobs) if ln.echo else None
     body = response_body(ln.kind, job_id, model,
                          int(float(h.get("finished_at") or h.get("created_at") or 0)), choices,
                          lps, int(h.get("prompt_tokens") or 0), int(h.get("completion_tokens") or 0),
-                         ln.tools)
+                         ln.tools, echo)
     return {"id": request_id(job_id), "custom_id": ln.custom_id,
             "response": {"status_code": 200, "request_id": job_id, "body": body},
             "error": None}

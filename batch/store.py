@@ -60,10 +60,11 @@ class BatchStore:
     def release(self, batch_id: str, field: str, token: str) -> None:
         script.run(self.r, Release(self._record(batch_id), field, token))
 
-    def commit(self, batch_id: str, token: str, n: int, cut: int) -> bool:
+    def commit(self, batch_id: str, token: str, n: int, cut: int,
+               usage: tuple[int, int] = (0, 0)) -> bool:
         k = self._k(batch_id)
         return script.run(self.r, Commit(k.batch(batch_id), k.batch_done(batch_id), token, n,
-                                         cut))
+                                         cut, usage))
 
     def transition(self, batch_id: str, frm: tuple[str, ...], to: str, ttl_s: int = 0,
                    **fields: Any) -> tuple[bool, str]:

@@ -36,9 +36,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if not __package__:  # run as a script: bench/ is sys.path[0] and kernels.py shadows `kernels`
+if not __package__:  # run as a script: the checkout's root leads sys.path, bench/ after it
     sys.path[0] = ROOT
-    sys.modules.pop("kernels", None)
     sys.path.append(os.path.join(ROOT, "bench"))
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "color"],

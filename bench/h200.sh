@@ -43,7 +43,7 @@ for s in $steps; do
                  "--disable decode_order" "--disable piecewise_graphs"; do
                  off --num-seqs 64 $a; done ;;
     profile) timeout 300 python3 bench/profile_steps.py --top 12 --out "$OUT" 2>&1 | grep -v -i warn | tail -16 ;;
-    kernels) timeout 300 python3 bench/kernels.py --quick --fp8-sweep --out "$OUT" 2>&1 | tail -24 ;;
+    kernels) timeout 300 python3 bench/attention.py --quick --fp8-sweep --out "$OUT" 2>&1 | tail -24 ;;
     service) export PAGEDQ_REDIS_SERVER=${PAGEDQ_REDIS_SERVER:-$PWD/.whl/redis-server}
              off_json="$OUT/offline-qwen3-0.6b-256.json"  # from `main`, if it ran before
              reuse=(); [ -f "$off_json" ] && reuse=(--offline-json "$off_json")

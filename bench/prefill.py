@@ -43,9 +43,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if not __package__:  # run as a script: bench/ is sys.path[0] and kernels.py shadows `kernels`
+if not __package__:  # run as a script: the checkout's root leads sys.path, bench/ after it
     sys.path[0] = ROOT
-    sys.modules.pop("kernels", None)
     sys.path.append(os.path.join(ROOT, "bench"))
 from pagedq.kernels import reference  # noqa: E402
 from pagedq.kernels.prefill_attention import paged_attention  # noqa: E402

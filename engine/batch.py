@@ -22,6 +22,9 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # rows (indices into the step's tokens) whose logits score prompt tokens, after the
+    # sampling rows (engine/prompt_logprobs.py; set by the pipeline before the step runs)
+    score_rows: list[int] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:

@@ -113,7 +113,8 @@ class BlockManager:
         num_tokens - 1, rounded down to whole blocks: the last token is always computed so
         the request has logits to sample from.
         """
-        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
+        if (not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table
+                or seq.scores_prompt):  # prompt logprobs need every position's logits
             return [], 0
         bs = self.block_size
         num_full = (seq.num_tokens - 1) // bs

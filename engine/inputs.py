@@ -37,7 +37,8 @@ from pagedq.engine.sequence import Sequence
 @dataclass(slots=True)
 class Packed:
     """One step's inputs as host arrays (what the driver sends the other ranks).
-    big (int64) = ids[T] + positions[T] + slots[T] + sample rows[S] + table rows[B] +
+    big (int64) = ids[T] + positions[T] + slots[T] + sample rows[S] (the sampling rows,
+    then the rows of prompt positions scored: engine/prompt_logprobs.py) + table rows[B] +
     table updates' flat indices[U] + placeholder destinations[P] + their sources[P];
     small (int32) = seq_lens[B] + cu_seqlens_q[B+1] + table updates' values[U]."""
 
@@ -146,6 +147,7 @@ class InputBuilder:
             if need > max_blocks:
                 max_blocks = need
 
+        samples += batch.score_rows  # prompt positions scored (engine/prompt_logprobs.py)
         return Packed(array("q", ids + pos + slots + samples + row_ids + upd_at + dst + src),
                       array("i", lens + cu + upd_val), t, len(lens), len(samples), len(upd_at),
                       len(dst), max_blocks, max(batch.num_new_tokens), self.num_rows)

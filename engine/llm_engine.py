@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
+from pagedq.engine import prompt_logprobs
 from pagedq.engine.config import EngineConfig
 from pagedq.engine.detokenizer import OutputStream
 from pagedq.engine.errors import EngineClosed
@@ -247,6 +248,7 @@ class LLMEngine(OfflineMixin):
                     self.guided.attach(seq, guide, copy=k > 0)
                 self.scheduler.add(seq)
                 self._live[rid] = _Live(seq, stream, max_output)
+                self.pipeline.scoring += p.prompt_logprobs is not None  # (a count)
             if n > 1:
                 self._samples[request_id] = {f"{request_id}#{k}" for k in range(n)}
             return len(ids)
@@ -265,6 +267,7 @@ class LLMEngine(OfflineMixin):
         """Forget a live request (finished or aborted), and its sample's place in its group."""
         live = self._live.pop(rid)
         self.guided.drop(live.seq)
+        self.pipeline.scoring -= live.seq.params.prompt_logprobs is not None
         base = rid.rpartition("#")[0]
         group = self._samples.get(base)
         if group is not None and rid in group:
@@ -352,6 +355,15 @@ class LLMEngine(OfflineMixin):
         seq, p = live.seq, live.seq.params
         toks = seq.token_ids
         n_out = len(toks) - seq.num_prompt_tokens
+        plp = prompt_logprobs.entries(seq) if (p.prompt_logprobs is not None  # 1st output
+                                                and n_out == seq.num_resumed_output + 1) else None
+        if live.max_output == 0:  # max_tokens 0: the prompt scored (plp), no token output
+            toks.pop()
+            self.scheduler.finish(seq, FinishReason.length)  # a no-op if expect finished it
+            seq.finish_reason = FinishReason.length
+            self._drop(seq.request_id)
+            return StepOutput(seq.request_id, [], "", True, FinishReason.length,
+                              seq.num_prompt_tokens, 0, prompt_logprobs=plp)
         reason = None
         delta = ""
         by_string = False
@@ -373,7 +385,7 @@ class LLMEngine(OfflineMixin):
             seq.finish_reason = reason
             self._drop(seq.request_id)
         return StepOutput(seq.request_id, [tok], delta, reason is not None, reason,
-                          seq.num_prompt_tokens, n_out, [lp] if lp is not None else None)
+                          seq.num_prompt_tokens, n_out, [lp] if lp is not None else None, plp)
 
 
 def _forget_frames(exc: BaseException) -> None:

@@ -52,7 +52,9 @@ from pagedq.engine.sampling_params import SamplingParams
 from pagedq.engine.sequence import Sequence
 from pagedq.kernels.layout import transposed_view
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "half" and "float" are vLLM's names of float16 and float32 (wire/engine_config.py)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "half": torch.float16, "float": torch.float32}
 
 
 def _pick_device(name: str, tp_size: int = 1, rank: int = 0) -> torch.device:

@@ -36,7 +36,7 @@ class OfflineMixin:
             for k in range(p.n):
                 sid = rid if p.n == 1 else f"{rid}#{k}"
                 state[sid] = {"text": [], "ids": [], "lp": [], "reason": None,
-                              "prompt": list(token_ids)}
+                              "prompt": list(token_ids), "plp": None}
         bar = _progress(len(state), use_tqdm)
         while self.has_unfinished():
             for o in self.step():
@@ -47,6 +47,8 @@ class OfflineMixin:
                 st["ids"].extend(o.new_token_ids)
                 if o.logprobs:
                     st["lp"].extend(o.logprobs)
+                if o.prompt_logprobs is not None:
+                    st["plp"] = o.prompt_logprobs
                 if o.finished:
                     st["reason"] = o.finish_reason
                     if bar is not None:
@@ -57,7 +59,7 @@ class OfflineMixin:
         def out(sid: str) -> RequestOutput:
             st = state[sid]
             return RequestOutput(sid, st["prompt"], "".join(st["text"]), st["ids"],
-                                 st["reason"], st["lp"] or None)
+                                 st["reason"], st["lp"] or None, prompt_logprobs=st["plp"])
 
         results = []
         for rid, p in zip(ids, params, strict=True):
@@ -68,7 +70,7 @@ class OfflineMixin:
                 first = samples[0]
                 results.append(RequestOutput(rid, first.prompt_token_ids, first.text,
                                              first.token_ids, first.finish_reason,
-                                             first.logprobs, samples))
+                                             first.logprobs, samples, first.prompt_logprobs))
         return results
 
 

@@ -29,6 +29,9 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: list[Any] | None = None
+    # params.prompt_logprobs: the prompt's entries (TokenLogprobs of tokens 1..; the first
+    # token has none), on the request's first output only
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass(slots=True)
@@ -42,3 +45,4 @@ class RequestOutput:
     finish_reason: FinishReason | None
     logprobs: list[Any] | None = None
     samples: list[RequestOutput] = field(default_factory=list)  # all n samples when n > 1
+    prompt_logprobs: list[Any] | None = None  # see StepOutput

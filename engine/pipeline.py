@@ -38,7 +38,9 @@ Invariants:
     in-flight token is dropped the same way (liveness is checked by Sequence identity).
   * A step stays in flight only if none of its sampling rows needs host-side token values
     before the next step: penalties (the sampler reads output ids) and logprobs (computed
-    with host syncs) make that step synchronous (collected in the same call).
+    with host syncs) make that step synchronous (collected in the same call). A step that
+    computes prompt positions to score (engine/prompt_logprobs.py) reads their logits
+    back in ``launch`` itself, before it samples.
   * Guided rows (engine/guided.py) do not: their grammar masks need the value of the
     token before, so ``launch`` reads the step in flight's token ids once the forward
     pass is queued (the wait ``collect`` would have made next), advances the matchers and
@@ -56,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from pagedq.engine import prompt_logprobs
 from pagedq.engine.outputs import FinishReason
 from pagedq.engine.sampling_params import SamplingParams
 from pagedq.engine.sequence import SeqStatus, Sequence
@@ -132,6 +135,9 @@ class StepPipeline:
         self.allow_async = allow_async
         self.inflight: InFlight | None = None  # the async step launched, not yet collected
         self.device_wait_s = 0.0  # host time spent waiting for sampled tokens (stats)
+        # live requests asking for prompt logprobs (the engine counts them): steps plan
+        # the prompt positions to score only while there are some
+        self.scoring = 0
 
     def expect(self) -> InFlight | None:
         """Before scheduling: take the step in flight (None if none); each of its rows
@@ -160,8 +166,11 @@ class StepPipeline:
         call's ``collect(prev)``) and None returned; a synchronous one (a row needs host
         values, or async scheduling is off) is returned for collecting now. None also if
         no row samples."""
+        scored = prompt_logprobs.plan(batch) if self.scoring else None
         logits = self.runner.execute(batch, prev.index if prev is not None else None,
                                      prev.tokens if prev is not None else None)
+        if scored:  # the logits' tail rows: prompt positions (read back now: synchronous)
+            logits = prompt_logprobs.score(scored, logits, self.runner.vocab_size)
         sampling = self.scheduler.update_after_step(batch)
         if not sampling:
             return None

@@ -46,8 +46,10 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class TokenLogprobs:
     token_id: int
-    logprob: float  # of the sampled token under the raw distribution
-    rank: int  # 1 + number of tokens with a strictly larger raw logprob
+    # of the sampled token under the raw distribution (None: a prompt's first token,
+    # engine/prompt_logprobs.py, as its rank)
+    logprob: float | None
+    rank: int | None  # 1 + number of tokens with a strictly larger raw logprob
     top: list[tuple[int, float]]  # the params.logprobs most likely (token_id, logprob), best first
 
 

@@ -57,6 +57,9 @@ class Sequence:
     # of token_ids but count as output for max_tokens / penalties.
     num_resumed_output: int = 0
     num_pending_tokens: int = 0  # 0 or 1: trailing placeholders (engine/pipeline.py only)
+    # params.prompt_logprobs: the entries of prompt positions 0.. scored so far, one per
+    # position p (token p + 1 given tokens 0..p); engine/prompt_logprobs.py only
+    prompt_lps: list | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = tuple(self.prompt_token_ids)
@@ -83,6 +86,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's logprobs are asked for and not all computed: every prompt position
+        must be computed here, none served from the prefix cache."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_lps or ()) < self.num_prompt_tokens - 1)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -8,22 +8,24 @@ tenant's AsyncClient or AsyncBatches (gateway/tenants.py).
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedq.batch import BatchSettings
 from pagedq.wire.connection import RedisUnusable, connect_async, start_async_cluster
 from pagedq.wire.errors import PagedqError
 from pagedq.wire.settings import Settings
 
-from . import batches, completions
+from . import batches, completions, models, responses
 from .auth import Auth
 from .errors import APIError, from_pagedq
 from .requests import parse_json
@@ -31,6 +33,7 @@ from .settings import GatewaySettings
 from .tenants import Tenants
 
 log = logging.getLogger("pagedq.gateway")
+REQUEST_ID = "x-request-id"
 
 
 class Gateway:
@@ -79,7 +82,11 @@ def create_app(settings: Settings | None = None, gateway: GatewaySettings | None
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(APIError(e.status_code, str(e.detail), code).body(), e.status_code)
+        msg = str(e.detail)
+        if e.status_code in (404, 405) and msg in ("Not Found", "Method Not Allowed"):
+            msg = (f"no route {request.method} {request.url.path}; the routes are: "
+                   + ", ".join(routes(app)))
+        return JSONResponse(APIError(e.status_code, msg, code).body(), e.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_parameter(request: Request, e: RequestValidationError) -> Response:
@@ -94,7 +101,9 @@ def create_app(settings: Settings | None = None, gateway: GatewaySettings | None
         if err is None:
             log.exception("unexpected_error path=%s", request.url.path)
             err = APIError(500, "internal error of the gateway", "internal_error")
-        return JSONResponse(err.body(), err.status, headers=err.headers())
+        # (sent outside the request-id middleware: the id it made is in the scope)
+        return JSONResponse(err.body(), err.status, headers={
+            **err.headers(), REQUEST_ID: request.scope.get(REQUEST_ID, new_request_id())})
 
     async def tenant(request: Request) -> str:
         return (await gw.auth.admit(request.headers.get("authorization"), 0)).tenant
@@ -116,18 +125,26 @@ def create_app(settings: Settings | None = None, gateway: GatewaySettings | None
     async def completion(request: Request) -> Response:
         return await completions.handle(gw, "completion", request)
 
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.handle(gw, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        return await responses.retrieve(gw, await tenant(request), response_id)
+
     @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        served = await gw.tenants.client(await tenant(request)).served_models()
-        return JSONResponse({"object": "list", "data": [_model(m) for m in sorted(served)]})
+    async def list_models(request: Request) -> Response:
+        served = await models.served(gw.tenants.client(await tenant(request)))
+        return JSONResponse({"object": "list", "data": [models.model_object(m, i)
+                                                        for m, i in served.items()]})
 
     @app.get("/v1/models/{model}")
     async def model(model: str, request: Request) -> Response:
-        served = await gw.tenants.client(await tenant(request)).served_models()
+        served = await models.served(gw.tenants.client(await tenant(request)), model)
         if model not in served:
-            raise APIError(404, f"the model {model!r} does not exist: no worker serves it",
-                           "model_not_found", "model")
-        return JSONResponse(_model(model))
+            raise models.not_found(model)
+        return JSONResponse(models.model_object(model, served[model]))
 
     @app.post("/v1/files")
     async def upload(request: Request) -> Response:
@@ -167,8 +184,35 @@ def create_app(settings: Settings | None = None, gateway: GatewaySettings | None
     async def cancel_batch(batch_id: str, request: Request) -> Response:
         return JSONResponse(await batches.cancel_batch(gw, await tenant(request), batch_id))
 
+    app.add_middleware(RequestId)
     return app
 
 
-def _model(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "pagedq"}
+def routes(app: FastAPI) -> list[str]:
+    """``METHOD /path`` of every route, for the 404 of an unknown one."""
+    return [f"{m} {r.path}" for r in app.routes if isinstance(r, APIRoute)
+            for m in sorted(r.methods)]
+
+
+def new_request_id() -> str:
+    return "req_" + uuid.uuid4().hex
+
+
+class RequestId:
+    """Every response carries ``x-request-id`` (OpenAI's header), a new id per request,
+    also in the scope (the handler of unexpected errors answers outside this)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = scope[REQUEST_ID] = new_request_id()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                   (REQUEST_ID.encode(), rid.encode())]}
+            await send(message)
+        await self.app(scope, receive, send_with_id)

@@ -292,5 +292,10 @@ async def batch_object(gw: Any, tenant: str, b: Batch) -> dict[str, Any]:
             **{t: getattr(b, t) for t in _BATCH_TIMES},
             "request_counts": {"total": rc.total, "completed": rc.completed,
                                "failed": rc.failed},
+            "usage": {"input_tokens": b.usage.input_tokens,
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": b.usage.output_tokens,
+                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": b.usage.total_tokens},
             "metadata": b.metadata}
 

@@ -12,12 +12,17 @@ event k gives the same chunks, in the same order, on every connection:
   deltas (wire/openai_api.py ``CallStream``: an empty delta until a call's name is out);
 * the final event: one chunk with every choice's ``finish_reason`` (status finished or
   cancelled; ``tool_calls`` for complete calls) or one ``{"error": ...}`` event (failed,
-  expired), then the usage chunk (``stream_options.include_usage``), then ``data: [DONE]``.
+  expired), then the usage chunk (``stream_options.include_usage``), then ``data: [DONE]``;
+* ``continuous_usage_stats``: every chunk's ``usage`` holds the running totals (the
+  prompt's tokens from event 0's ``pt``, the completion's counted by ``ids``);
+* ``echo`` (completions): a choice's first token chunk starts with the prompt, and its
+  logprobs with the prompt's entries (event 0's ``plp``).
 
 A client that reconnects with ``Last-Event-ID: <job>/<k>.<j>`` gets the job's events from
 k on (AsyncClient.stream from index k), minus event k's chunks up to j: no gap, no repeat.
 The state carried across events (a completion's logprob ``text_offset``, a choice's calls
-read so far) is rebuilt by rendering the log before k (``prime``).
+read so far, the usage counted, the prompt to echo) is rebuilt by rendering the log before
+k (``prime``).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from pagedq.producer.aio import AsyncClient
 from pagedq.wire.openai_api import (
     CHAT,
     CallStream,
+    Echo,
     chat_logprobs,
     chunk,
     chunk_choice,
@@ -51,33 +57,75 @@ def frame(eid: str, data: dict[str, Any] | str) -> bytes:
     return f"id: {eid}\ndata: {payload}\n\n".encode()
 
 
+class Counter:
+    """The tokens a response's stream has seen so far (shared by its jobs' renderers): the
+    usage of ``stream_options.include_usage`` and of every chunk under
+    ``continuous_usage_stats``."""
+
+    __slots__ = ("prompt", "completion")
+
+    def __init__(self) -> None:
+        self.prompt = self.completion = 0
+
+    def body(self) -> dict[str, int]:
+        return usage(self.prompt, self.completion)
+
+
 class Renderer:
     """Chunks of one job's events; ``offsets``: per choice, the completion text offset of
     the next token (logprobs of completions only); ``calls``: per choice, its tool calls
-    read so far (a chat whose tools are active, else None)."""
+    read so far (a chat whose tools are active, else None).
+
+    A job of a request of several prompts (completions) renders its choices at ``base`` +
+    choice under the response's ``name`` (its first job's id), and its final event without
+    the usage chunk and ``[DONE]`` (``tail``: the stream of all its jobs adds them once)."""
 
     def __init__(self, kind: str, job_id: str, model: str, created: int, n: int,
-                 include_usage: bool, logprobs: bool, tools: bool = False) -> None:
+                 include_usage: bool, logprobs: bool, tools: bool = False, *,
+                 continuous: bool = False, echo: bool = False, prompt: str | None = None,
+                 base: int = 0, name: str | None = None, tail: bool = True,
+                 counter: Counter | None = None) -> None:
         self.kind, self.job_id, self.model, self.created = kind, job_id, model, created
         self.n, self.include_usage, self.logprobs = n, include_usage, logprobs
         self.offsets = [0] * n
         self.tools = tools and kind == CHAT
         self.calls = [CallStream(job_id, c) for c in range(n)] if self.tools else None
+        self.continuous, self.echo, self.prompt = continuous, echo and kind != CHAT, prompt
+        self.base, self.name, self.tail = base, name or job_id, tail
+        self.counter = counter or Counter()
+        self.seen = [0, 0]  # this job's prompt and completion tokens counted so far
+        self.plp: list[dict[str, Any]] | None = None  # its prompt's entries (event 0)
+        self.echoed: set[int] = set()  # choices whose prompt was repeated already
 
     @property
     def stateful(self) -> bool:
         """Whether rendering an event depends on the events before it."""
-        return self.calls is not None or (self.logprobs and self.kind != CHAT)
+        return (self.calls is not None or (self.logprobs and self.kind != CHAT) or self.echo
+                or self.continuous)
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return chunk(self.kind, self.job_id, self.model, self.created, choices,
-                     self.include_usage)
+        return chunk(self.kind, self.name, self.model, self.created, choices,
+                     self.include_usage, self.counter.body() if self.continuous else None)
+
+    def _count(self, prompt: int, completion: int) -> None:
+        self.seen[0] += prompt
+        self.seen[1] += completion
+        self.counter.prompt += prompt
+        self.counter.completion += completion
 
     def render(self, ev: Event) -> list[dict[str, Any] | str]:
         """Event ``ev``'s chunks, in order (their index is the ``j`` of their ids)."""
         out: list[dict[str, Any] | str] = []
+        if isinstance(ev, TokenEvent):
+            self._count(ev.prompt_tokens or 0, len(ev.token_ids))
+            if ev.prompt_logprobs is not None:
+                self.plp = [e.model_dump() for e in ev.prompt_logprobs]
+        else:  # the final event's counts are the job's
+            self._count(ev.usage.prompt_tokens - self.seen[0],
+                        ev.usage.completion_tokens - self.seen[1])
         if ev.index == 0 and self.kind == CHAT:
-            out.append(self._chunk([chunk_choice(CHAT, c, role=True) for c in range(self.n)]))
+            out.append(self._chunk([chunk_choice(CHAT, self.base + c, role=True)
+                                    for c in range(self.n)]))
         if isinstance(ev, TokenEvent):
             out.append(self._chunk([self._token(ev)]))
             return out
@@ -85,29 +133,41 @@ class Renderer:
         if ev.status in (Status.finished, Status.cancelled):
             ends = {c.index: (c.text, c.finish_reason) for c in ev.choices or []}
             ends.setdefault(0, (ev.text, ev.finish_reason))
-            out.append(self._chunk([chunk_choice(self.kind, c, finish_reason=finish_reason_of(
-                *ends.get(c, ("", ev.finish_reason)), self.tools) or ev.finish_reason)
+            out.append(self._chunk([chunk_choice(
+                self.kind, self.base + c, finish_reason=finish_reason_of(
+                    *ends.get(c, ("", ev.finish_reason)), self.tools) or ev.finish_reason)
                 for c in range(self.n)]))
         else:
             out.append(final_error(ev))
-        if self.include_usage:
-            c = self._chunk([])
-            c["usage"] = usage(ev.usage.prompt_tokens, ev.usage.completion_tokens)
-            out.append(c)
-        out.append(DONE)
+        if self.tail:
+            out += self.end()
         return out
 
+    def end(self) -> list[dict[str, Any] | str]:
+        """What closes the response's stream: the usage chunk when asked for, [DONE]."""
+        if not self.include_usage:
+            return [DONE]
+        c = chunk(self.kind, self.name, self.model, self.created, [], True, self.counter.body())
+        return [c, DONE]
+
     def _token(self, ev: TokenEvent) -> dict[str, Any]:
+        c, text = ev.choice, ev.delta
+        entries = [t.model_dump() for t in ev.logprobs] if ev.logprobs is not None else None
+        if self.echo and c not in self.echoed:  # its first event repeats the prompt
+            self.echoed.add(c)
+            echo = Echo.of(self.prompt, self.plp, self.logprobs)
+            text = echo.text + text
+            if echo.entries is not None:
+                entries = echo.entries + (entries or [])
         lp = None
-        if self.logprobs and ev.logprobs is not None:
-            entries = [t.model_dump() for t in ev.logprobs]
+        if self.logprobs and entries is not None:
             if self.kind == CHAT:
                 lp = chat_logprobs(entries)
             else:
-                lp = completion_logprobs(entries, self.offsets[ev.choice])
-                self.offsets[ev.choice] += sum(len(t["token"]) for t in entries)
-        calls = self.calls[ev.choice].feed(ev.delta) if self.calls is not None else None
-        return chunk_choice(self.kind, ev.choice, ev.delta, logprobs=lp, tool_calls=calls)
+                lp = completion_logprobs(entries, self.offsets[c])
+                self.offsets[c] += sum(len(t["token"]) for t in entries)
+        calls = self.calls[c].feed(ev.delta) if self.calls is not None else None
+        return chunk_choice(self.kind, self.base + c, text, logprobs=lp, tool_calls=calls)
 
 
 def final_error(ev: FinalEvent) -> dict[str, Any]:

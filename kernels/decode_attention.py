@@ -287,7 +287,7 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
                          f"head_dim >= 32 (e4m3 dots), got {block_n} and {d}")
     max_ctx = block_tables.shape[1] * bs  # upper bound on any seq_len, known without a sync
     sms = _num_sms(q.device)
-    # bench/kernels.py --fp8-sweep picked one-warp programs for fp8 tiles (module doc); fp8
+    # bench/attention.py --fp8-sweep picked one-warp programs for fp8 tiles (module doc); fp8
     # with a token-major V keeps the defaults of the kernel before the transposed layout.
     # swap runs a warpgroup (4 warps), which its dots need to be wgmmas.
     small = fp8 and v_t and d <= 128 and not swap

@@ -20,8 +20,10 @@ Variants (constexpr, picked per shape by ``choose``; bench/quant.py measures the
            the launch runs 0.
   MAGIC  0: code -> float by conversion; 1: by OR-ing the code into the mantissa of 2**23
          (an int op and a float subtract instead of a quarter-rate conversion).
-Many rows (prefill): at >= DENSE_MIN_ROWS rows the weight is dequantized to a scratch
-[K, N] in x's dtype and multiplied by torch.matmul (cuBLAS). Measured on an H200
+Few rows (decode, up to DECODE_MAX_ROWS): kernels/quant_decode.py's GEMV and tiles, which
+beat these on the H200 (docs/benchmarks.md, "few-rows kernels"); ``config=`` still runs
+these tiles. Many rows (prefill): at >= DENSE_MIN_ROWS rows the weight is dequantized to a
+scratch [K, N] in x's dtype and multiplied by torch.matmul (cuBLAS). Measured on an H200
 (bench/quant.py, Llama-3.1-8B's projections, two calls): at 256 rows that took 32-178 us
 against the best fused tiles' 63-212 us, and at 2,048 rows half the fused time.
 """
@@ -33,12 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedq.kernels import layout, quant_layout
+from pagedq.kernels import layout, quant_decode, quant_layout
 from pagedq.kernels.layout import FLOAT
 
 # rows from which the weight is dequantized once and multiplied by cuBLAS (see above);
 # bench/quant.py's "dense" rows measure the crossover (it times them from 256 rows)
 DENSE_MIN_ROWS = 256
+# rows up to which kernels/quant_decode.py's few-rows kernels serve a call
+DECODE_MAX_ROWS = quant_decode.MAX_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,6 +332,9 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if config is None and m >= DENSE_MIN_ROWS:
         return dense_matmul(x, qweight, scales, offsets, bits, group_size, zero_point, bias,
                             perm)
+    if config is None and m <= DECODE_MAX_ROWS and quant_decode.serves(m, bits, group_size):
+        return quant_decode.decode_matmul(x, qweight, scales, offsets, bits, group_size,
+                                          zero_point, bias, perm)
     cfg = config or choose(m, n, k, group_size, num_sms(x.device))
     if cfg.split == 0:
         cfg = fitted(cfg, m, n, k, group_size, num_sms(x.device))

@@ -8,8 +8,9 @@ cache, tokens streamed back through Redis). The documented entry point:
         print(c.result(job, timeout=60).text)
 
 The client side (``Client``, ``AsyncClient``, ``Batches``, the request and record models,
-the errors) imports no torch. ``LLMEngine`` and ``SamplingParams`` (the engine, for
-offline use) load on first access, so ``import pagedq`` stays light. The implementation
+the errors) imports no torch. ``LLM`` (vLLM's offline API: ``from pagedq import LLM,
+SamplingParams``), ``LLMEngine`` and ``SamplingParams`` (the engine, for offline use) load
+on first access, so ``import pagedq`` stays light. The implementation
 lives in the subpackages ``pagedq.wire`` (the wire contract: keys, schema, scripts,
 settings), ``pagedq.producer`` (the clients), ``pagedq.batch`` (bulk batches),
 ``pagedq.admin`` (ACL file, inspection, dead letters), ``pagedq.engine``, ``pagedq.worker``,
@@ -36,6 +37,7 @@ if (not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "engine"))
 if TYPE_CHECKING:  # for editors and type checkers; at run time they load lazily
     from pagedq.batch import AsyncBatches, Batches
     from pagedq.engine.errors import EngineClosed
+    from pagedq.engine.llm import LLM
     from pagedq.engine.llm_engine import LLMEngine
     from pagedq.engine.sampling_params import SamplingParams
     from pagedq.producer import (
@@ -65,15 +67,16 @@ if TYPE_CHECKING:  # for editors and type checkers; at run time they load lazily
 __all__ = [
     "AsyncBatches", "AsyncClient", "Batches", "ChatMessage", "Choice", "Client",
     "EngineClosed", "Event", "EventsTrimmed", "FinalEvent", "InvalidRequest", "JobConflict", "JobNotFound", "JobRecord",
-    "JobRequest", "Keys", "LLMEngine", "NoWorker", "Overloaded", "PagedqError",
+    "JobRequest", "Keys", "LLM", "LLMEngine", "NoWorker", "Overloaded", "PagedqError",
     "ResultTimeout", "SamplingParams", "Settings", "Status", "TokenEvent", "Usage",
     "__version__",
 ]
-# where each name lives: the engine's (LLMEngine imports torch), the batches', else the
+# where each name lives: the engine's (LLM and LLMEngine import torch), the batches', else the
 # client side (pagedq.producer re-exports the wire contract's names it uses)
 _HOME = {**{name: "pagedq.producer" for name in __all__ if name != "__version__"},
          "AsyncBatches": "pagedq.batch", "Batches": "pagedq.batch",
          "EngineClosed": "pagedq.engine.errors",
+         "LLM": "pagedq.engine.llm",
          "LLMEngine": "pagedq.engine.llm_engine",
          "SamplingParams": "pagedq.engine.sampling_params"}
 

@@ -3,6 +3,7 @@ package's commands from that package.
 
     worker, config      pagedq.worker.cli       (the service process; torch only inside it)
     demo                pagedq.demo
+    serve               pagedq.serve            (Redis + workers + gateway, one command)
     submit, status,     pagedq.client_cli       (the job commands, over pagedq.producer)
     result, cancel,
     watch
@@ -62,7 +63,7 @@ def common_options(after_subcommand: bool) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedq import demo
+    from pagedq import demo, serve
     from pagedq.admin import acl_cli
     from pagedq.admin import cli as admin_cli
     from pagedq.batch import cli as batch_cli
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     after = [common_options(after_subcommand=True)]
     worker_cli.register(sub, after)
     demo.register(sub, after)
+    serve.register(sub, after)  # `pagedq serve MODEL` (docs/gateway.md)
     client_cli.register(sub, after)
     batch_cli.register(sub, after)  # `pagedq batch ...` (docs/batches.md)
     acl_cli.register(sub, after)  # `pagedq acl` (docs/security.md)

@@ -107,6 +107,7 @@ class AsyncClient:
                      stop: list[str] | str | None = None, stop_token_ids: list[int] | None = None,
                      seed: int | None = None, ignore_eos: bool | None = None,
                      min_tokens: int | None = None, logprobs: int | None = None,
+                     prompt_logprobs: int | None = None,
                      n: int | None = None, guided: dict[str, Any] | GuidedSpec | None = None,
                      logit_bias: dict[int | str, float] | None = None,
                      priority: int | None = None, lane: str | None = None,
@@ -117,8 +118,8 @@ class AsyncClient:
         ranges and defaults are Client.submit's (each None = the wire default): prompt or
         messages; model, tools, tool_choice, parallel_tool_calls, max_tokens, temperature,
         top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, stop,
-        stop_token_ids, seed, ignore_eos, min_tokens, logprobs, n, guided, logit_bias,
-        priority, lane, timeout_s, metadata, job_id, require_worker; **openai:
+        stop_token_ids, seed, ignore_eos, min_tokens, logprobs, prompt_logprobs, n, guided,
+        logit_bias, priority, lane, timeout_s, metadata, job_id, require_worker; **openai:
         max_completion_tokens, top_logprobs, user, response_format."""
         req = requests.build_request(prompt, messages, model or self.model, job_id,
                                     submit_params.explicit(locals()), openai,

@@ -114,7 +114,8 @@ class Client:
                frequency_penalty: float | None = None, stop: list[str] | str | None = None,
                stop_token_ids: list[int] | None = None, seed: int | None = None,
                ignore_eos: bool | None = None, min_tokens: int | None = None,
-               logprobs: int | None = None, n: int | None = None,
+               logprobs: int | None = None, prompt_logprobs: int | None = None,
+               n: int | None = None,
                guided: dict[str, Any] | GuidedSpec | None = None,
                logit_bias: dict[int | str, float] | None = None, priority: int | None = None,
                lane: str | None = None, timeout_s: float | None = None,
@@ -138,7 +139,8 @@ class Client:
         tool_choice: "auto" (text or calls), "required" (calls), "none" (text), or
             {"type": "function", "function": {"name": ...}} (one call of it) [auto]
         parallel_tool_calls: False = at most one call [True]
-        max_tokens: most tokens to generate, 1..32768 [128]
+        max_tokens: most tokens to generate, 0..32768; 0 (with prompt_logprobs) only
+            scores the prompt [128]
         temperature: 0 = greedy, up to 100 [1.0]
         top_p: nucleus sampling mass, in (0, 1] [1.0 = off]
         top_k: sample among the k likeliest tokens, -1 = off [-1]
@@ -153,6 +155,9 @@ class Client:
         min_tokens: tokens to generate before EOS or a stop may end the job [0]
         logprobs: each token's log-probability and its k likeliest alternatives, 0..20
             [none]
+        prompt_logprobs: each prompt token's log-probability given the tokens before it
+            (the first has none) and its k likeliest alternatives, 0..20: the job's first
+            event's ``prompt_logprobs`` (stream()) [none]
         n: independent samples (choices) of the prompt, 1..16 [1]
         guided: what the output must match, one key: {"json_schema": {...}},
             {"json_object": True}, {"regex": "..."}, {"choice": ["a", "b"]} or

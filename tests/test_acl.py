@@ -168,7 +168,7 @@ def test_the_file_is_built_from_the_key_scheme_and_keeps_no_password(tmp_path, c
     text, err = out.read_text(), capsys.readouterr().err
     lines = {ln.split()[1]: ln for ln in text.splitlines()}
     assert set(lines) == {"default", "producer-t-1", "reader-t-1", "batch-t-1", "worker",
-                          "gateway", "admin"}
+                          "gateway", "scaler", "admin"}
     assert lines["default"].startswith("user default off")
     k = Keys("t-1")
     producer = lines["producer-t-1"]

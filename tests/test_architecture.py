@@ -271,3 +271,17 @@ def test_no_import_circles_between_project_modules():
     # a package's __init__ re-exporting its own submodules is not a circle of modules
     circles = [c for c in circles if not any(b.startswith(a + ".") for a, b in zip(c, c[1:], strict=False))]
     assert not circles, circles
+
+
+def test_no_bench_script_is_named_after_a_module_anyone_imports():
+    """`python bench/x.py` puts bench/ first on sys.path, so bench/x.py answers every
+    `import x` in that process: a bench named after a module someone imports (the standard
+    library's, an installed distribution's, or one the GPU machine has that this one may not;
+    bench/kernels.py once answered transformers' probe for Hugging Face's `kernels`) breaks
+    the process that runs it."""
+    from importlib.metadata import packages_distributions
+    taken = set(packages_distributions()) | set(sys.stdlib_module_names)
+    taken |= {"kernels", "pagedq", "torch", "triton", "transformers", "redis", "rq", "jax",
+              "cupy", "numpy", "pytest", "accelerate", "safetensors", "tokenizers"}
+    stems = {f[:-3] for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py")}
+    assert stems and not stems & taken, sorted(stems & taken)

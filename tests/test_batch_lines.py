@@ -53,7 +53,11 @@ def check(raw: bytes, n: int = 1) -> Line | LineError:
     (line({"messages": [{"role": "user", "content": "a"}]}), "invalid_request"),
     (line({"prompt": "a"}, url="/v1/chat/completions"), "invalid_request"),
     (line({"prompt": "a", "max_tokens": 0}), "invalid_request"),
-    (line({"prompt": "a", "echo": True}), "invalid_request"),
+    (line({"prompt": "a", "echo": "yes"}), "invalid_request"),
+    (line({"prompt": "a", "prompt_logprobs": 1}), "invalid_request"),  # echo serves them
+    (line({"prompt": ["a", "b"]}), "invalid_request"),  # one prompt per line
+    (line({"prompt": "a", "best_of": 2}), "invalid_request"),
+    (line({"prompt": "a", "suffix": "z"}), "invalid_request"),
     (line({"prompt": "a", "max_tokens": 5, "max_completion_tokens": 6}), "invalid_request"),
     (line({"prompt": "   "}), "invalid_request"),
     (line({}), "invalid_request"),
@@ -62,8 +66,9 @@ def test_invalid_lines_say_why_with_their_custom_id(raw, code):
     e = check(raw, 7)
     assert isinstance(e, LineError) and (e.line, e.code) == (7, code), e
     assert e.message
-    row = invalid_line(e)
+    row = invalid_line(e, B)
     assert row["response"] is None and row["error"]["line"] == 7
+    assert row["id"] == f"batch_req_{B}.7"  # the id its job would have had
     if b"custom_id" in raw and code not in ("invalid_custom_id", "invalid_json_line"):
         assert row["custom_id"] == "c1"
 
@@ -168,6 +173,28 @@ def test_chat_choices_and_logprobs_shapes():
     trimmed = events[1:]  # the log no longer starts at event 0: no logprobs rather than some
     _, row, _ = outcome(ln, "j", rec(), M, batch_cancelled=False, expires_at=0, events=trimmed)
     assert row["response"]["body"]["choices"][0]["logprobs"] is None
+
+
+def test_echo_and_openai_fields_that_change_nothing():
+    raw = line({"prompt": "Hi", "echo": True, "logprobs": 1, "max_tokens": 0, "store": True,
+                "service_tier": "auto", "metadata": {"team": "a"}, "best_of": 1, "suffix": ""})
+    ln = check(raw, 2)
+    assert ln == Line(2, "c1", "completion", True, False, True)
+    assert Line.from_row(ln.row()) == ln and Line.from_row(ln.row()[:4]).echo is False
+    req = request(parse(raw, 2, M), B, M)
+    assert (req.prompt, req.max_tokens, req.prompt_logprobs, req.metadata) == \
+        ("Hi", 0, 1, {"team": "a"})
+    plp = [{"id": 7, "token": "H", "logprob": None, "rank": None, "top": []},
+           {"id": 8, "token": "i", "logprob": -1.5, "rank": 2,
+            "top": [{"id": 9, "token": "!", "logprob": -0.5}]}]
+    events = [{"t": "token", "i": "0", "d": "", "ids": "", "pt": "2",
+               "plp": json.dumps(plp)}, {"t": "final", "i": "1"}]
+    ok, row, _ = outcome(ln, "j", rec(text="", completion_tokens=0), M, batch_cancelled=False,
+                         expires_at=0, events=events)
+    c = row["response"]["body"]["choices"][0]
+    assert ok and c["text"] == "Hi"  # the prompt, as its tokens spell it
+    assert c["logprobs"] == {"tokens": ["H", "i"], "token_logprobs": [None, -1.5],
+                             "top_logprobs": [None, {"!": -0.5}], "text_offset": [0, 1]}
 
 
 def test_append_cuts_a_partial_last_line_and_readers_skip_one(tmp_path):

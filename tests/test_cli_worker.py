@@ -157,8 +157,9 @@ def test_version(capsys):
 def test_every_option_help_states_its_default():
     p = build_parser()
     assert {sp.prog for sp in parsers(p)} == {
-        "pagedq", *(f"pagedq {c}" for c in ("worker", "demo", "submit", "status", "result",
-                                            "cancel", "batch", "config", "acl", "watch")),
+        "pagedq", *(f"pagedq {c}" for c in ("worker", "demo", "serve", "submit", "status",
+                                            "result", "cancel", "batch", "config", "acl",
+                                            "watch")),
         *(f"pagedq batch {c}" for c in ("submit", "status", "results", "cancel", "retry", "list",
                                         "worker")),
         *(f"pagedq {c}" for c in ("inspect", "dlq", "dlq list", "dlq requeue",

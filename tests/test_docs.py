@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 import redis
 
@@ -64,7 +65,11 @@ def test_json_schema_files_are_up_to_date():
                      "JobRequest.schema.json", "TokenEvent.schema.json"]
     for name in names:
         text = (ROOT / "docs" / "schema" / name).read_text(encoding="utf-8")
-        assert text.endswith("}\n") and json.loads(text)["type"] == "object"
+        schema = json.loads(text)
+        assert text.endswith("}\n") and schema["type"] == "object"
+        # the dialect the docs name, and one jsonschema checks documents against
+        assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+        jsonschema.validators.validator_for(schema).check_schema(schema)
 
 
 def test_json_schema_check_fails_on_an_edited_or_missing_file(tmp_path):

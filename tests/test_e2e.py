@@ -2,6 +2,7 @@
 paged KV cache) -> tokens back through Redis."""
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -9,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from pagedq.producer import Client
+from pagedq.producer import AsyncClient, Client
 from pagedq.wire.errors import InvalidRequest
 from pagedq.wire.keys import GROUP
 from pagedq.worker.redis_server import free_port
@@ -187,3 +188,30 @@ def test_token_id_prompts_and_out_of_vocab_ids(service):
     assert client.result(ok, timeout=120).usage.prompt_tokens == 5
     rec = client.result(bad, timeout=120)
     assert rec.status == "failed" and "token ids" in rec.error
+
+
+def test_prompt_logprobs_from_both_clients(service):
+    """submit(prompt_logprobs=k): the job's event 0 carries the prompt's token count and
+    one entry per prompt token (the first without a logprob); max_tokens 0 scores the
+    prompt alone. The same through the asyncio client, with tokens and n = 2."""
+    client, w = service
+    ids = [504, 3458, 282, 4649, 314]
+    job = client.submit(ids, max_tokens=0, prompt_logprobs=2)
+    rec = client.result(job, timeout=120)
+    assert (rec.status, rec.finish_reason, rec.usage.completion_tokens) == ("finished",
+                                                                            "length", 0)
+    first = next(iter(client.stream(job)))
+    assert (first.index, first.prompt_tokens, first.token_ids) == (0, 5, [])
+    plp = first.prompt_logprobs
+    assert [e.id for e in plp] == ids and (plp[0].logprob, plp[0].rank) == (None, None)
+    assert all(len(e.top) == 2 and e.logprob <= e.top[0].logprob + 1e-6 for e in plp[1:])
+
+    async def run():
+        async with AsyncClient(w.redis_url, prefix=w.prefix, model="smollm2") as ac:
+            j = await ac.submit(ids, max_tokens=3, n=2, temperature=0.0, prompt_logprobs=0)
+            return [e async for e in ac.stream(j, timeout=120)]
+    events = asyncio.run(run())
+    assert events[0].prompt_tokens == 5 and events[-1].type == "final"
+    assert [(e.id, e.logprob) for e in events[0].prompt_logprobs] == [
+        (e.id, e.logprob) for e in plp]
+    assert all(e.prompt_logprobs is None and e.prompt_tokens is None for e in events[1:-1])

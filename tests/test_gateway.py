@@ -471,8 +471,13 @@ def test_curl_examples_of_the_docs_run(stack):
                              env={**os.environ, "PAGEDQ_GATEWAY": stack.gateway.base,
                                   "PAGEDQ_API_KEY": stack.key, "MODEL": MODEL})
         assert res.returncode == 0, block + res.stdout + res.stderr
-        assert '"object":"chat.completion"' in res.stdout.replace(" ", ""), res.stdout
+        out = res.stdout.replace(" ", "")
+        assert '"object":"chat.completion"' in out, res.stdout
         assert "data: [DONE]" in res.stdout, res.stdout
+        if "/v1/responses" in block:
+            assert '"object":"response"' in out, res.stdout
+        if '"echo": true' in block:  # the prompt's first token has no logprob
+            assert out.count('"token_logprobs":[null,') == 2, res.stdout
 
 
 def test_cli_keys_and_errors(stack, tmp_path):

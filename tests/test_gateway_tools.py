@@ -5,6 +5,7 @@ tool-call deltas, logit_bias and logprobs), httpx for a resumed stream of tool-c
 LangChain's ChatOpenAI (with_structured_output, bind_tools) and a batch file."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
@@ -39,10 +40,11 @@ class Person(BaseModel):
     age: int = Field(ge=0, le=120)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+@contextlib.contextmanager
+def smollm2_gateway(batch_dir):
+    """redis-server, a SmolLM2 worker, `pagedq gateway` and an rq worker (batches) ->
+    (the Redis URL, the gateway); all stopped after."""
     srv = RedisServer().start()
-    batch_dir = tmp_path_factory.mktemp("gw-tools")
     w = WorkerProc(srv.url, PREFIX, extra=["--max-num-seqs", "16"]).start(wait=False)
     gw = Gateway(srv.url, batch_dir, model=MODEL)
     rq = None
@@ -50,21 +52,26 @@ def stack(tmp_path_factory):
         gw.wait_ready()
         w.wait_ready()
         rq = RqWorker(srv.url, batch_dir).start()
-
-        class Stack:
-            url, gateway = srv.url, gw
-            key = make_key(srv.url, "--name", "tools")
-            pq = Client(settings=Settings(redis_url=srv.url, prefix=PREFIX, model=MODEL))
-            sdk = openai.OpenAI(base_url=gw.base + "/v1", api_key=key, max_retries=0)
-
-        yield Stack()
-        Stack.pq.close()
+        yield srv.url, gw
     finally:
         if rq is not None:
             rq.stop()
         assert gw.stop() == 0, gw.log()
         w.stop(10)
         srv.cleanup()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with smollm2_gateway(tmp_path_factory.mktemp("gw-tools")) as (url, gw):
+        class Stack:
+            gateway = gw
+            key = make_key(url, "--name", "tools")
+            pq = Client(settings=Settings(redis_url=url, prefix=PREFIX, model=MODEL))
+            sdk = openai.OpenAI(base_url=gw.base + "/v1", api_key=key, max_retries=0)
+
+        yield Stack()
+        Stack.pq.close()
 
 
 def create(stack, **kw):
@@ -175,8 +182,9 @@ def test_bad_specs_are_400_and_nothing_is_queued(stack):
             create(stack, max_tokens=4, **kw)
         e = err.value.body
         assert words in e["message"] and e["param"] == param and e["code"] == "invalid_request", e
-    with pytest.raises(openai.BadRequestError, match="echo is not supported"):
-        stack.sdk.completions.create(model=MODEL, prompt="Hi", echo=True, logprobs=1)
+    with pytest.raises(openai.BadRequestError, match="suffix: a suffix") as err:
+        stack.sdk.completions.create(model=MODEL, prompt="Hi", suffix="!", logprobs=1)
+    assert err.value.param == "suffix"
     snap = queue_counters(stack.pq.redis, stack.pq.keys, MODEL, "interactive")
     assert snap.ok and snap.queued_jobs == 0
     assert stack.pq.redis.xlen(stack.pq.keys.jobs(MODEL)) == 0
@@ -235,18 +243,10 @@ def test_a_batch_file_with_response_format_and_tools(stack, tmp_path):
         "bad": {"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "objekt"}}}},
     }
-    src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"custom_id": k, "method": "POST", "url": chat, "body": {
-        "model": MODEL, "max_tokens": 40, "temperature": 0, **b}}) + "\n"
-        for k, b in bodies.items()))
     c = stack.sdk
-    f = c.files.create(file=src.open("rb"), purpose="batch")
-    b = c.batches.create(input_file_id=f.id, endpoint=chat, completion_window="24h")
-    b = until(lambda: (x := c.batches.retrieve(b.id)).status in (
-        "completed", "failed", "expired", "cancelled") and x, "the batch ended", 180, 0.2)
+    b, rows = run_batch(c, tmp_path, chat, {k: {"max_tokens": 40, "temperature": 0, **x}
+                                            for k, x in bodies.items()})
     assert b.status == "completed" and b.request_counts.completed == 2, b
-    rows = {r["custom_id"]: r for r in map(json.loads, c.files.content(
-        b.output_file_id).text.splitlines())}
     person = rows["schema"]["response"]["body"]["choices"][0]["message"]["content"]
     jsonschema.validate(json.loads(person), PERSON)
     choice = rows["tool"]["response"]["body"]["choices"][0]
@@ -255,3 +255,18 @@ def test_a_batch_file_with_response_format_and_tools(stack, tmp_path):
     assert json.loads(call["function"]["arguments"])["city"]
     (err,) = map(json.loads, c.files.content(b.error_file_id).text.splitlines())
     assert err["custom_id"] == "bad" and "Invalid type: objekt" in err["error"]["message"]
+
+
+def run_batch(sdk: openai.OpenAI, folder, url: str, bodies: dict[str, dict]):
+    """Upload a batch of ``bodies`` (custom_id -> body, the model added) to ``url``, wait
+    for its end -> (the batch, its output rows by custom_id)."""
+    src = folder / "in.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": k, "method": "POST", "url": url,
+                                       "body": {"model": MODEL, **b}}) + "\n"
+                           for k, b in bodies.items()))
+    f = sdk.files.create(file=src.open("rb"), purpose="batch")
+    b = sdk.batches.create(input_file_id=f.id, endpoint=url, completion_window="24h")
+    b = until(lambda: (x := sdk.batches.retrieve(b.id)).status in (
+        "completed", "failed", "expired", "cancelled") and x, "the batch ended", 180, 0.2)
+    out = sdk.files.content(b.output_file_id).text.splitlines() if b.output_file_id else []
+    return b, {r["custom_id"]: r for r in map(json.loads, out)}

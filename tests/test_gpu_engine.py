@@ -181,6 +181,36 @@ def test_engine_after_engine_gives_the_device_memory_back(release, tmp_path):
     print("\n".join(lines))
 
 
+def test_cuda_prompt_logprobs_equal_cpu_reference(tiny_model_dir):
+    """Prompt logprobs on CUDA (Triton kernels, piecewise CUDA graphs for the steps that
+    prefill, async scheduling) beside plain requests: chunked, one of them scoring the
+    prompt of a plain request beside it (whose blocks enter the prefix cache), one with
+    max_tokens 0; equal to the CPU engine's (float32), the tokens generated alike."""
+    from tests.test_prompt_logprobs import drive
+    folder = str(tiny_model_dir("Qwen3ForCausalLM"))
+    rng = random.Random(8)
+    shared = rng.choices(range(400), k=48)
+    prompts = [shared + rng.choices(range(400), k=n) for n in (9, 70, 2)]
+    g = dict(temperature=0.0, ignore_eos=True)
+    reqs = [("warm", prompts[0], SamplingParams(max_tokens=6, **g)),
+            ("a", prompts[0], SamplingParams(max_tokens=6, prompt_logprobs=4, **g)),
+            ("b", prompts[1], SamplingParams(max_tokens=0, prompt_logprobs=1, **g)),
+            ("c", prompts[2], SamplingParams(max_tokens=12, **g))]
+    cfg = dict(dtype="float32", block_size=16, num_kv_blocks=64, max_num_batched_tokens=64,
+               max_num_seqs=8)
+    ref = drive(LLMEngine(folder, device="cpu", **cfg), reqs)
+    eng = LLMEngine(folder, device="cuda", **cfg)
+    assert eng.pipeline.allow_async and eng.runner.piecewise is not None
+    got = drive(eng, reqs)
+    assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in ref.items()}
+    for rid in ("a", "b"):
+        (want,), (have,) = ref[rid]["plp"], got[rid]["plp"]
+        assert [e.token_id for e in have] == [e.token_id for e in want]
+        assert all(abs(x.logprob - y.logprob) < 1e-3 and [t for t, _ in x.top] == [
+            t for t, _ in y.top] for x, y in zip(want[1:], have[1:], strict=True))
+    assert got["b"]["ids"] == [] and eng.pipeline.scoring == 0
+
+
 def test_the_first_engine_of_a_process_gives_the_device_memory_back_by_del_alone(tmp_path):
     """Issue 37: in a process whose collector is off from its first line, the first engine
     released by ``del`` alone (no close()) kept its memory (83 GiB on an H200). Here four

@@ -21,7 +21,7 @@ def test_coalesced_events_then_one_final(redis_server, r):
         _running(r, keys, j, 1)
         pub.register(keys, j, 1, 0)
     for step in range(3):  # three engine steps inside one coalescing window
-        pub.tokens([(keys.job(j), 1, None, f"{j}{step} ", [step], None, None) for j in jobs])
+        pub.tokens([(keys.job(j), 1, None, f"{j}{step} ", [step], None, None, None) for j in jobs])
     verdicts = []
     pub.final(Final(keys, "a", 1, "", keys.jobs("m"), "finished", "length", "a0 a1 a2 ", "",
                     3, 3, verdicts.append))
@@ -41,7 +41,7 @@ def test_stale_owner_is_fenced_and_told(redis_server, r):
     pub = Publisher(r, s).start()
     _running(r, keys, "x", 2)  # another worker took the job over (attempt 2)
     pub.register(keys, "x", 1, 0)
-    pub.tokens([(keys.job("x"), 1, None, "late", [5], None, None)])
+    pub.tokens([(keys.job("x"), 1, None, "late", [5], None, None, None)])
     verdicts = []
     pub.final(Final(keys, "x", 1, "", keys.jobs("m"), "finished", "stop", "late",
                     on_done=verdicts.append))
@@ -63,17 +63,17 @@ def test_own_job_taken_back_the_earlier_attempt_leaves_it_alone(redis_server, r)
     r.xadd(keys.out("y"), {"t": "token", "i": "0", "d": "a", "ids": "1"}, id="0-1")
     _running(r, keys, "y", 2)
     pub.register(keys, "y", 1, 1)
-    pub.tokens([(uid, 1, None, "stale ", [7], None, None)])
+    pub.tokens([(uid, 1, None, "stale ", [7], None, None, None)])
     verdicts = []
     pub.final(Final(keys, "y", 1, "", keys.jobs("m"), "finished", "stop", "stale",
                     on_done=verdicts.append))
     pub.register(keys, "y", 2, 1)
-    pub.tokens([(uid, 2, None, "b", [2], None, None)])
+    pub.tokens([(uid, 2, None, "b", [2], None, None, None)])
     items = []
     while not pub._q.empty():
         items.append(pub._q.get())
     pub._round(items)
-    pub.tokens([(uid, 2, None, "c", [3], None, None)])
+    pub.tokens([(uid, 2, None, "c", [3], None, None, None)])
     pub._round([pub._q.get()])
     assert verdicts == ["fenced"] and pub.lost.empty()
     log = r.xrange(keys.out("y"))

@@ -4,28 +4,17 @@ TRITON_INTERPRET=1 on small shapes (set before the kernel module is imported, as
 tests/test_kernels.py); with CUDA the same cases run on the GPU."""
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
-INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+from tests.interpreted import DEV, interpreted  # first: sets the interpreter up
 
-import pagedq.kernels.quant_matmul as qm  # noqa: E402
-from pagedq.kernels import cpu, quant_layout, reference  # noqa: E402
+# isort: split
+import pagedq.kernels.quant_matmul as qm
+from pagedq.kernels import cpu, quant_layout, reference
 
-if INTERP:
-    from triton.runtime.interpreter import InterpretedFunction
-    if not isinstance(qm._qmm_kernel, InterpretedFunction):
-        importlib.reload(qm)
-
-DEV = "cpu" if INTERP else "cuda"
+interpreted((qm, "_qmm_kernel"))
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 

@@ -140,6 +140,21 @@ def llama_tp2(tiny_model_dir):
 
 
 # Llama last: its engine (one TP engine per process at a time) stays for the kill test
+def test_tp2_prompt_logprobs_equal_tp1(tmp_path):
+    """The scored prompt rows go to every rank with the step (engine/prompt_logprobs.py):
+    chunked, on a vocabulary whose last shard is padded, they equal one rank's."""
+    folder = odd_qwen2(tmp_path)
+    ids = random.Random(2).choices(range(250), k=37)
+    p = SamplingParams(max_tokens=2, prompt_logprobs=3, **G)
+    one = LLMEngine(folder, device="cpu", **TINY_CFG).generate([ids], p, use_tqdm=False)[0]
+    with LLMEngine(folder, device="cpu", tensor_parallel_size=2, **TINY_CFG) as eng:
+        two = eng.generate([ids], p, use_tqdm=False)[0]
+    assert two.token_ids == one.token_ids and len(two.prompt_logprobs) == len(ids)
+    for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], strict=True):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top] and all(t < 509 for t, _ in b.top)
+
+
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2-odd", "LlamaForCausalLM"])
 def test_tiny_tp2_greedy_equals_tp1_chunked_with_prefix_hits(arch, tiny_model_dir,
                                                               tmp_path, request):

@@ -71,8 +71,9 @@ class Release(ScriptCall):
 
 @dataclass(frozen=True, slots=True)
 class Commit(ScriptCall):
-    """The collector's commit of ``n`` written items (``cut`` of them cut by the window)
-    -> False if it no longer holds the tick lease."""
+    """The collector's commit of ``n`` written items (``cut`` of them cut by the window;
+    the output lines among them used ``usage``: (input, output) tokens) -> False if it no
+    longer holds the tick lease."""
 
     SCRIPT = "batch_commit"
     record: str
@@ -80,9 +81,11 @@ class Commit(ScriptCall):
     token: str
     n: int
     cut: int
+    usage: tuple[int, int] = (0, 0)
 
     def keys_args(self) -> tuple[list[str], list[Any]]:
-        return [self.record, self.done], [self.token, str(self.n), str(self.cut)]
+        return [self.record, self.done], [self.token, str(self.n), str(self.cut),
+                                          str(self.usage[0]), str(self.usage[1])]
 
     def parse(self, reply: Any) -> bool:
         return bool(reply)

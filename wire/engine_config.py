@@ -24,8 +24,9 @@ class EngineConfig:
         "auto", "model", "the device", pattern=DEVICE_PATTERN,
         pattern_help="auto, cpu, cuda or cuda:N", default_help="cuda if available, else cpu")
     dtype: str = setting(
-        "auto", "model", "the weights' and activations' dtype",
-        choices=("auto", "float32", "bfloat16", "float16"),
+        "auto", "model", "the weights' and activations' dtype; `half` is `float16` and "
+        "`float` is `float32` (vLLM's names)",
+        choices=("auto", "float32", "bfloat16", "float16", "half", "float"),
         default_help="bfloat16 on CUDA, float32 on the CPU")
     load_format: str = setting(
         "auto", "model", "`dummy`: random weights from config.json alone (benchmarks: no "

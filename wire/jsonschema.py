@@ -20,9 +20,12 @@ MODELS = (JobRequest, JobRecord, TokenEvent, FinalEvent)
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "docs" / "schema"
 
 
+DIALECT = "https://json-schema.org/draft/2020-12/schema"  # what pydantic writes
+
+
 def schemas() -> dict[str, dict[str, Any]]:
-    """Model name -> its JSON Schema."""
-    return {m.__name__: m.model_json_schema() for m in MODELS}
+    """Model name -> its JSON Schema, declaring its dialect (``$schema``)."""
+    return {m.__name__: {"$schema": DIALECT, **m.model_json_schema()} for m in MODELS}
 
 
 def rendered() -> dict[str, str]:

@@ -78,6 +78,11 @@ def partition_of(job_id: str, partitions: int) -> int:
 _NEXT_PARTITION = itertools.count(uuid.uuid4().int % MAX_PARTITIONS)
 
 
+# how long a model stays "served recently" after its last worker's heartbeat ran out (or
+# it stopped); members older than this are pruned from the serving sets
+SERVED_WINDOW_S = 3600.0
+
+
 def new_job_id(partitions: int, partition: int | None = None, stem: str = "") -> str:
     """A new unique id (``stem`` + uuid4 hex): as it always was for one partition; with
     more, ``.p<k>`` appended for ``partition`` (default: the next one, round robin over
@@ -173,7 +178,10 @@ class Keys:
 
     def serving(self, model: str) -> str:
         """Sorted set of the worker ids serving ``model``, scored by heartbeat expiry time
-        (a member whose score is in the past is dead)."""
+        (a member whose score is in the past is dead; one stopped cleanly is scored with
+        its stop time). A model whose best score is within ``SERVED_WINDOW_S`` of now was
+        served recently: a request for it waits for a worker (503), it is no unknown model
+        (404)."""
         return f"{self.base}:serving:{model}"
 
     @property

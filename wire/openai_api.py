@@ -6,8 +6,9 @@ Two kinds of request, by endpoint: ``completion`` (``/v1/completions``: ``prompt
 or token ids) and ``chat`` (``/v1/chat/completions``: ``messages``). The rest of the body
 is what ``JobRequest`` takes, OpenAI's names included (``max_completion_tokens``,
 ``logprobs: true`` + ``top_logprobs``, ``user``, ``stop: null``, ``response_format``,
-``tools``, ``tool_choice``, ``parallel_tool_calls``, ``logit_bias``): wire/schema.py.
-``echo: true`` (the prompt's log-probabilities) is refused: the engine computes none.
+``tools``, ``tool_choice``, ``parallel_tool_calls``, ``logit_bias``): wire/schema.py; the
+other fields of OpenAI's reference are ignored or refused by wire/openai_fields.py.
+Completions take a list of prompts (a job each) and ``echo`` (``shape``).
 
 A chat whose tools are active (wire/tools.py) answers the calls its output holds as
 OpenAI's ``tool_calls`` (ids from ``call_id``, arguments as JSON text, finish reason
@@ -20,37 +21,60 @@ gateway renders a job's event k the same way on every (re)connection (resumable 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
+from pagedq.wire.openai_fields import CHAT, COMPLETION, FieldError, check
 from pagedq.wire.tools import CallScanner, call_id, calls_of
 
-CHAT, COMPLETION = "chat", "completion"
 ENDPOINTS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
 
 
 # ---- requests
 
-def body_problem(kind: str, data: dict[str, Any]) -> str | None:
-    """What JobRequest cannot check (it knows no endpoints): the prompt field must fit the
-    endpoint. Unwraps OpenAI's one-prompt lists (``["text"]``, ``[[ids]]``) in ``data``."""
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What a body asks of its endpoint beyond one JobRequest: completions' prompts (a list
+    of several is one job each: ``prompts``; chat: ``[None]``, the messages are in the
+    body) and ``echo`` (the prompt before each choice's text, and its log-probabilities
+    before the output's when ``logprobs`` is asked: the jobs ask ``prompt_logprobs``)."""
+
+    prompts: list[Any]
+    echo: bool = False
+
+
+def shape(kind: str, data: dict[str, Any]) -> Shape:
+    """Check what JobRequest cannot (it knows no endpoints) and sort OpenAI's fields
+    (wire/openai_fields.py), in place: the prompt field must fit the endpoint; ``prompt``
+    and ``echo`` are taken out of ``data``. FieldError (naming the field) if invalid."""
+    check(kind, data)
     if kind == CHAT:
         if "prompt" in data:
-            return "/v1/chat/completions takes messages, not prompt"
-        return None
+            raise FieldError("prompt", "/v1/chat/completions takes messages, not prompt")
+        for name in ("echo", "prompt_logprobs"):
+            if name in data:
+                raise FieldError(name, f"{name} is served by /v1/completions only")
+        return Shape([None])
     if "messages" in data:
-        return "/v1/completions takes prompt, not messages"
-    if data.pop("echo", False) is not False:
-        return ("echo is not supported: pagedq computes no log-probabilities of the prompt "
-                "(send echo: false, or leave it out)")
-    prompt = data.get("prompt")
+        raise FieldError("messages", "/v1/completions takes prompt, not messages")
+    echo = data.pop("echo", False)
+    if not isinstance(echo, bool):
+        raise FieldError("echo", "echo must be true or false")
+    if data.get("prompt_logprobs") is not None and not echo:
+        raise FieldError("prompt_logprobs", "a prompt's log-probabilities are served by "
+                         "/v1/completions with echo: true and logprobs")
+    if echo:
+        lp = data.get("logprobs")
+        want = lp if isinstance(lp, int) and not isinstance(lp, bool) else 0
+        if data.setdefault("prompt_logprobs", want) != want:
+            raise FieldError("prompt_logprobs", "with echo, prompt_logprobs is logprobs")
+    prompt = data.pop("prompt", None)
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        if len(prompt) != 1:
-            return "one prompt per request (a list of prompts is not supported)"
-        data["prompt"] = prompt[0]
-    return None
+        return Shape(prompt, echo)  # several prompts (strings, or token-id lists)
+    return Shape([prompt], echo)  # one: text, token ids (or a bad value JobRequest names)
 
 
-# ---- whole responses
+# ---- whole responses# ---- whole responses
 
 def response_id(kind: str, job_id: str) -> str:
     return ("chatcmpl-" if kind == CHAT else "cmpl-") + job_id
@@ -72,19 +96,48 @@ def choices_of(h: dict[str, str]) -> list[dict[str, Any]]:
 def response_body(kind: str, job_id: str, model: str, created: int,
                   choices: list[dict[str, Any]], lps: list[list[dict[str, Any]]] | None,
                   prompt_tokens: int, completion_tokens: int,
-                  tools: bool = False) -> dict[str, Any]:
+                  tools: bool = False, echo: Echo | None = None) -> dict[str, Any]:
     """A finished job as OpenAI's ``text_completion`` / ``chat.completion`` object.
     ``lps``: per choice, the ``lp`` entries of its token events (None: not asked for).
-    ``tools``: the job's tools were active (its output may be calls)."""
+    ``tools``: the job's tools were active (its output may be calls). ``echo``: what each
+    choice repeats of the prompt."""
     return {
         "id": response_id(kind, job_id),
         "object": "chat.completion" if kind == CHAT else "text_completion",
         "created": created,
         "model": model,
         "choices": [choice_body(kind, c, lps[c["index"]] if lps else None,
-                                job_id if tools else None) for c in choices],
+                                job_id if tools else None, echo) for c in choices],
         "usage": usage(prompt_tokens, completion_tokens),
     }
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """A completion's prompt as its choices repeat it (``echo``): its text and, when the
+    request asked for logprobs, its entries (a job's event-0 ``plp``: the first has a null
+    logprob), which come before the output's."""
+
+    text: str
+    entries: list[dict[str, Any]] | None = None
+
+    @classmethod
+    def of(cls, prompt: str | None, entries: list[dict[str, Any]] | None,
+           logprobs: bool) -> Echo:
+        """``prompt``: the request's text (None: it sent token ids, spelled by their
+        tokens' texts, as is the whole prompt where no text is at hand)."""
+        text = prompt if isinstance(prompt, str) else "".join(e["token"] for e in entries or [])
+        return cls(text, entries if logprobs else None)
+
+
+def prompt_head(events: list[dict[str, str]]) -> tuple[int | None, list[dict[str, Any]] | None]:
+    """(prompt tokens, prompt logprobs entries) of a job's event 0 among its log's entries
+    (None where absent: not asked for, or the log was trimmed)."""
+    for ev in events[:1]:
+        if ev.get("i") == "0" and ev.get("t") == "token":
+            return (int(ev["pt"]) if ev.get("pt") else None,
+                    json.loads(ev["plp"]) if ev.get("plp") else None)
+    return None, None
 
 
 def tool_calls_body(job_id: str, choice: int, calls: list[tuple[str, str]]
@@ -103,8 +156,9 @@ def finish_reason_of(text: str, reason: str, tools: bool) -> str:
 
 
 def choice_body(kind: str, c: dict[str, Any], lp: list[dict[str, Any]] | None,
-                tools_job: str | None = None) -> dict[str, Any]:
-    """``tools_job``: the job id of a job whose tools were active (None: none were)."""
+                tools_job: str | None = None, echo: Echo | None = None) -> dict[str, Any]:
+    """``tools_job``: the job id of a job whose tools were active (None: none were);
+    ``echo``: a completion's prompt, repeated before its text (and logprobs)."""
     if kind == CHAT:
         message: dict[str, Any] = {"role": "assistant", "content": c["text"]}
         reason = c["finish_reason"]
@@ -116,7 +170,9 @@ def choice_body(kind: str, c: dict[str, Any], lp: list[dict[str, Any]] | None,
         return {"index": c["index"], "message": message,
                 "logprobs": None if lp is None else chat_logprobs(lp),
                 "finish_reason": reason}
-    return {"index": c["index"], "text": c["text"],
+    if echo is not None:
+        lp = None if lp is None else [*(echo.entries or []), *lp]
+    return {"index": c["index"], "text": c["text"] if echo is None else echo.text + c["text"],
             "logprobs": None if lp is None else completion_logprobs(lp),
             "finish_reason": c["finish_reason"]}
 
@@ -131,7 +187,9 @@ def token_logprobs(events: list[dict[str, str]], n: int) -> list[list[dict[str, 
         if ev.get("t") != "token":
             continue
         if "lp" not in ev:
-            return None
+            if ev.get("ids"):
+                return None
+            continue  # an event of no token (max_tokens 0) has no entries
         c = int(ev.get("c") or 0)
         if c < n:
             out[c].extend(json.loads(ev["lp"]))
@@ -153,7 +211,9 @@ def completion_logprobs(lp: list[dict[str, Any]], start: int = 0) -> dict[str, A
         offsets.append(pos)
         pos += len(t["token"])
     return {"tokens": [t["token"] for t in lp], "token_logprobs": [t["logprob"] for t in lp],
-            "top_logprobs": [{x["token"]: x["logprob"] for x in t.get("top", [])} for t in lp],
+            "top_logprobs": [None if t["logprob"] is None  # a prompt's first token
+                             else {x["token"]: x["logprob"] for x in t.get("top", [])}
+                             for t in lp],
             "text_offset": offsets}
 
 

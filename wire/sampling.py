@@ -93,7 +93,9 @@ LOGIT_BIAS_SCHEMA = {
 class SamplingParams:
     """Per-request sampling parameters, validated on construction (ValueError, one line)."""
 
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] = 128
+    # 0: no token, the prompt only scored (needs prompt_logprobs: OpenAI's echo with
+    # max_tokens 0)
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] = 128
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0  # 0 = greedy
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = -1  # -1 or 0 = off
@@ -109,6 +111,10 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # top alternatives per token
+    # each prompt token's log-probability given the tokens before it (the first has none),
+    # with this many top alternatives: computed during the prefill
+    # (engine/prompt_logprobs.py), on the wire in the job's event 0
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     # guided decoding: the output must match this spec (wire/guided.py); it is compiled at
     # add_request (a spec that cannot compile is a ValueError there)
@@ -165,6 +171,9 @@ class _Rules(BaseModel):
     def _min_tokens(self) -> Any:
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens: 0 generates nothing; it only scores the prompt "
+                             "(with prompt_logprobs, or echo and logprobs on /v1/completions)")
         return self
 
 

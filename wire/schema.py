@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .guided import GuidedSpec
+from .openai_fields import response_format
 from .sampling import (  # noqa: F401 - describe, MAX_N, MAX_TOKENS_LIMIT: the schema's names too
     MAX_N,
     MAX_STOP_STRINGS,
@@ -133,7 +134,7 @@ def _openai_aliases(data: dict[str, Any]) -> dict[str, Any]:
     if data.get("stop", []) is None:
         del data["stop"]
     if "response_format" in data:
-        guided = _response_format(data.pop("response_format"))
+        guided = response_format(data.pop("response_format"))
         if guided is not None:
             if "guided" in data:
                 raise ValueError("response_format and guided are both given; send one")
@@ -141,25 +142,6 @@ def _openai_aliases(data: dict[str, Any]) -> dict[str, Any]:
     if data.get("tools", None) == []:
         del data["tools"]
     return data
-
-
-def _response_format(rf: Any) -> dict[str, Any] | None:
-    """OpenAI's response_format -> the wire's guided spec (None for plain text)."""
-    kind = rf.get("type") if isinstance(rf, dict) else None
-    if kind == "text" and set(rf) == {"type"}:
-        return None
-    if kind == "json_object" and set(rf) == {"type"}:
-        return {"json_object": True}
-    if kind == "json_schema" and set(rf) == {"type", "json_schema"}:
-        js = rf["json_schema"]
-        if not (isinstance(js, dict) and set(js) <= {"name", "schema", "strict", "description"}
-                and isinstance(js.get("schema"), dict)):
-            raise ValueError("response_format.json_schema must be {\"name\", \"schema\": "
-                             "{...}, \"strict\"?, \"description\"?}")
-        return {"json_schema": js["schema"]}
-    raise ValueError("response_format must be {\"type\": \"text\"}, {\"type\": "
-                     "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
-                     "{\"name\", \"schema\"}}")
 
 
 class _RequestHead(BaseModel):
@@ -325,8 +307,16 @@ class TokenLogprob(BaseModel):
     top: list[TopLogprob] = Field(default_factory=list)
 
 
+class PromptLogprob(TokenLogprob):
+    """A prompt token's (``prompt_logprobs``): the first token's logprob and rank are null."""
+
+    logprob: float | None  # type: ignore[assignment]
+    rank: int | None  # type: ignore[assignment]
+
+
 class TokenEvent(BaseModel):
-    """``finish_reason`` is set on the event carrying a choice's last token."""
+    """``finish_reason`` is set on the event carrying a choice's last token. A job's event
+    0 also carries its prompt's token count and, when asked for, its prompt logprobs."""
 
     type: Literal["token"] = "token"
     index: int
@@ -335,6 +325,8 @@ class TokenEvent(BaseModel):
     logprobs: list[TokenLogprob] | None = None
     choice: int = 0
     finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class FinalEvent(BaseModel):
@@ -390,9 +382,10 @@ def parse_event(fields: dict[str, str]) -> Event:
                         completion_tokens=int(fields.get("ct") or 0)),
             choices=json.loads(ch) if ch else None,
         )
-    ids = fields.get("ids", "")
-    lp = fields.get("lp")
+    ids, lp, plp, pt = fields.get("ids", ""), fields.get("lp"), fields.get("plp"), fields.get("pt")
     return TokenEvent(index=int(fields["i"]), delta=fields.get("d", ""),
                       token_ids=[int(x) for x in ids.split(",")] if ids else [],
                       logprobs=json.loads(lp) if lp else None,
-                      choice=int(fields.get("c") or 0), finish_reason=fields.get("fr") or None)
+                      choice=int(fields.get("c") or 0), finish_reason=fields.get("fr") or None,
+                      prompt_tokens=int(pt) if pt else None,
+                      prompt_logprobs=json.loads(plp) if plp else None)

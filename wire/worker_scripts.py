@@ -220,6 +220,11 @@ def event_keys(k: Keys, job_id: str) -> tuple[str, str, str]:
     return k.job(job_id), k.out(job_id), k.chan(job_id)
 
 
+# what a job's event 0 carries besides its tokens: (the prompt's token count, its prompt
+# logprobs' entries, or None when not asked for): the ``pt`` and ``plp`` fields
+EventHead = tuple[int, "list[Any] | None"]
+
+
 @dataclass(slots=True)
 class Publish(ScriptCall):
     """One PUBLISH call, built event by event: ``add`` one event per (job, choice), each
@@ -237,20 +242,23 @@ class Publish(ScriptCall):
 
     def add(self, k: Keys, job_id: str, attempt: int, index: int, delta: str,
             token_ids: list[int], logprobs: list[Any] | None, choice: int | None,
-            finish_reason: str | None) -> None:
+            finish_reason: str | None, head: EventHead | None = None) -> None:
         self.add_named(event_keys(k, job_id), attempt, index, delta, token_ids, logprobs,
-                       choice, finish_reason)
+                       choice, finish_reason, head)
 
     def add_named(self, names: tuple[str, str, str], attempt: int, index: int, delta: str,
                   token_ids: list[int], logprobs: list[Any] | None, choice: int | None,
-                  finish_reason: str | None) -> None:
+                  finish_reason: str | None, head: EventHead | None = None) -> None:
         """``add`` with the job's ``event_keys`` built once by the caller (the publisher
-        adds an event of every running job at every round)."""
+        adds an event of every running job at every round). ``head``: what a job's event
+        0 carries besides its tokens (written with index 0 only)."""
         job_key, out_key, chan = names
         self._keys.extend((job_key, out_key))
+        pt, plp = head if head is not None and index == 0 else ("", None)
         self._args.extend((attempt, index, delta, ",".join(map(str, token_ids)),
                            json.dumps(logprobs) if logprobs else "", chan,
-                           "" if choice is None else choice, finish_reason or ""))
+                           "" if choice is None else choice, finish_reason or "", pt,
+                           "" if plp is None else json.dumps(plp)))
 
     def parse(self, reply: Any) -> list[int]:
         return [int(pos) for pos in reply[1]]

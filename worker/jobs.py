@@ -219,9 +219,11 @@ def sampling_params(req: JobRequest, choice: int = 0,
 
 
 def logprobs_json(lps: list[Any], token_text) -> list[dict[str, Any]]:
-    """Engine TokenLogprobs -> the wire's ``lp`` entries (docs/protocol.md):
-    ``{"id", "token", "logprob", "rank", "top": [{"id", "token", "logprob"}]}``."""
+    """Engine TokenLogprobs -> the wire's ``lp`` (and ``plp``) entries (docs/protocol.md):
+    ``{"id", "token", "logprob", "rank", "top": [{"id", "token", "logprob"}]}``; a prompt's
+    first token has ``logprob`` and ``rank`` null (engine/prompt_logprobs.py)."""
     return [{"id": lp.token_id, "token": token_text(lp.token_id),
-             "logprob": clean_logprob(lp.logprob), "rank": lp.rank,
+             "logprob": None if lp.logprob is None else clean_logprob(lp.logprob),
+             "rank": lp.rank,
              "top": [{"id": t, "token": token_text(t), "logprob": clean_logprob(v)}
                      for t, v in lp.top]} for lp in lps]

@@ -15,7 +15,7 @@ import redis
 import structlog
 
 from pagedq.wire import script
-from pagedq.wire.keys import GROUP, Keys
+from pagedq.wire.keys import GROUP, SERVED_WINDOW_S, Keys
 from pagedq.wire.worker_scripts import Refresh
 from pagedq.worker import fatal, faults
 from pagedq.worker.jobs import Job, WorkerIdentity
@@ -23,7 +23,9 @@ from pagedq.worker.metrics import Metrics
 from pagedq.worker.publisher import Publisher
 
 log = structlog.get_logger("pagedq.liveness")
-PRUNE_AFTER_S = 3600.0  # a worker silent this long leaves {P}:workers and {P}:serving:*
+# a worker silent this long leaves {P}:workers and {P}:serving:* (the window in which its
+# model counts as served recently: wire/keys.py)
+PRUNE_AFTER_S = SERVED_WINDOW_S
 # the heartbeat's ``jobs`` field lists at most this many running job ids (``running`` is the
 # full count): bounded hash size whatever the batch (docs/protocol.md, pagedq inspect)
 HEARTBEAT_JOB_IDS = 32
@@ -91,12 +93,15 @@ class Heartbeat:
         self.publisher.call(write)
 
     def leave(self) -> None:
-        """A clean stop: no longer listed as serving (clients asking require_worker see it)."""
+        """A clean stop: no longer serving (clients asking require_worker see it), its
+        entry in the serving set scored with now, so its model stays "served recently"
+        (a rolling restart: 503, not an unknown model) until pruned."""
         ident = self.ident
         try:
             pipe = ident.r.pipeline(transaction=False)
+            now = time.time()
             for keys in ident.tenants:
-                pipe.zrem(keys.serving(ident.model), ident.worker_id)
+                pipe.zadd(keys.serving(ident.model), {ident.worker_id: now}, xx=True)
                 if keys.partition == 0:
                     pipe.zrem(keys.workers, ident.worker_id)
                     pipe.delete(keys.worker(ident.worker_id))

@@ -37,7 +37,7 @@ from pagedq.wire.connection import RETRYABLE, is_cluster
 from pagedq.wire.keys import Keys
 from pagedq.wire.schema import FinishReason, Status
 from pagedq.wire.settings import Settings
-from pagedq.wire.worker_scripts import Verdict
+from pagedq.wire.worker_scripts import EventHead, Verdict
 from pagedq.worker import fatal, faults
 
 log = structlog.get_logger("pagedq.publisher")
@@ -69,11 +69,12 @@ class Final:
 
 # What the engine loop hands over per (job, choice) and step, a plain tuple (one per running
 # job and step: the hot path): (job uid, attempt, choice or None when n == 1, delta,
-# token_ids, logprobs or None, finish_reason when this step ended the choice else None). A
-# job's uid is its record's key (worker/jobs.py Job.uid); ``register`` told the thread whose
-# keys and id it is.
+# token_ids, logprobs or None, finish_reason when this step ended the choice else None,
+# the job's EventHead on its first output of this attempt else None: written only if that
+# event is the job's event 0, wire/worker_scripts.py). A job's uid is its record's key
+# (worker/jobs.py Job.uid); ``register`` told the thread whose keys and id it is.
 TokenDelta = tuple[str, int, "int | None", str, list[int], "list[Any] | None",
-                   "FinishReason | None"]
+                   "FinishReason | None", "EventHead | None"]
 
 
 # ---- what the engine loop queues for the thread: one message per call of Publisher ------
@@ -135,6 +136,7 @@ class _Pending:
     ids: list[int] = field(default_factory=list)
     lp: list[Any] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    head: EventHead | None = None
 
 
 class Publisher:
@@ -243,7 +245,7 @@ class Publisher:
         calls, cancel_ids, flushes = [], [], []
         for it in items:
             if isinstance(it, _Tokens):
-                for job_id, attempt, choice, delta, ids, lp, fr in it.batch:
+                for job_id, attempt, choice, delta, ids, lp, fr, head in it.batch:
                     key = (job_id, choice)
                     p = pending.get(key)
                     if p is None or p.attempt != attempt:
@@ -255,6 +257,8 @@ class Publisher:
                         p.lp.extend(lp)
                     if fr is not None:
                         p.finish_reason = fr
+                    if head is not None:
+                        p.head = head
             elif isinstance(it, _Register):
                 uid = it.keys.job(it.job_id)
                 self._next_index[uid] = it.next_index
@@ -297,7 +301,7 @@ class Publisher:
                 idx = self._next_index.get(uid, 0)
                 self._next_index[uid] = idx + 1
                 pub.add_named(owner.events, p.attempt, idx, "".join(p.delta), p.ids,
-                              p.lp or None, p.choice, p.finish_reason)
+                              p.lp or None, p.choice, p.finish_reason, p.head)
             else:
                 finals.append(obj)
         # the cancel sets to ask, per tenant: {cancel set: [(uid, job id)]}

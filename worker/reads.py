@@ -21,6 +21,11 @@ from pagedq.wire.keys import GROUP, Keys
 from pagedq.wire.worker_scripts import NAMES as WORKER_SCRIPTS
 from pagedq.wire.worker_scripts import Move
 
+# each read moves up to this many jobs of an inbox into its stream, however few it reads:
+# the stream then holds (nearly) every unfinished job of its lane while any worker runs,
+# what an autoscaler reads (XLEN, the group's lag: docs/deployment.md "Autoscaling"); a job
+# moves once, and an empty inbox costs one LPOP
+MOVE_MAX = 256
 IDLE_BLOCK_MS = 500  # an idle worker's wait on the wake lists, between two reads
 CLUSTER_IDLE_BLOCK_MS = 100  # on a cluster: one key space's wait, between full sweeps
 
@@ -58,16 +63,16 @@ class NewEntries:
         self.on_stream_made = on_stream_made
 
     def move_and_read(self, pairs: list[tuple[str, Keys, int]]) -> list:
-        """For each (lane, key space, n): MOVE up to n jobs from the inbox into the stream,
-        then read up to n new entries, in one round trip; the reads' replies (XREADGROUP's
-        shape), one per key space and count (its COUNT is per call)."""
+        """For each (lane, key space, n): MOVE jobs from the inbox into the stream
+        (MOVE_MAX at most), then read up to n new entries, in one round trip; the reads'
+        replies (XREADGROUP's shape), one per key space and count (its COUNT is per call)."""
         reads: dict[tuple[Keys, int], list[str]] = {}
         for lane, k, n in pairs:
             reads.setdefault((k, n), []).append(self.ident.stream(lane, k))
 
         def fill(pipe: Any) -> None:
             for lane, k, n in pairs:
-                script.queue(pipe, Move(k, self.model, lane, n))
+                script.queue(pipe, Move(k, self.model, lane, max(n, MOVE_MAX)))
             for (_k, n), streams in reads.items():
                 pipe.xreadgroup(GROUP, self.worker_id, dict.fromkeys(streams, ">"), count=n)
 

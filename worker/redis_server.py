@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -110,6 +111,18 @@ class ServerTls:
     auth_clients: bool = True
 
 
+def die_with_parent() -> None:
+    """In a child between fork and exec (``preexec_fn``): on Linux the child gets SIGTERM
+    when the process that started it dies, even by SIGKILL (prctl PR_SET_PDEATHSIG), so a
+    supervisor that is killed leaves no child behind (`pagedq serve`). Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -120,13 +133,14 @@ class RedisServer:
     """A redis-server on 127.0.0.1:<port> with its data in ``dir``. Restartable: the port
     and directory stay the same, so an AOF-enabled server comes back with its data.
     With ``tls`` it listens for TLS only, on ``port`` (no plain TCP port); ``extra``:
-    more redis-server arguments (``["--requirepass", pw]``: visible in ps, tests only);
+    more redis-server arguments (``["--requirepass", pw]``: visible in ps, tests only).
+    ``die_with_parent``: the server gets SIGTERM when the process that started it dies;
     ``binary``: this redis-server (default: ``find_redis_server``'s)."""
 
     def __init__(self, port: int | None = None, dir: str | None = None,
                  appendonly: bool = False, extra: list[str] | None = None,
                  tls: ServerTls | None = None, min_version: tuple[int, int] | None = None,
-                 binary: str | None = None) -> None:
+                 die_with_parent: bool = False, binary: str | None = None) -> None:
         self.port = port or free_port()
         self._own_dir = dir is None
         self.dir = dir or tempfile.mkdtemp(prefix="pagedq-redis-")
@@ -136,6 +150,7 @@ class RedisServer:
         self.min_version = min_version  # e.g. (7, 0) for an --aclfile with Redis 7 rules
         self.binary = binary
         self.proc: subprocess.Popen | None = None
+        self.die_with_parent = die_with_parent
 
     @property
     def url(self) -> str:
@@ -162,7 +177,8 @@ class RedisServer:
                 "--appendonly", "yes" if self.appendonly else "no",
                 "--appendfsync", "always", "--logfile", self.log_path, *self.extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=die_with_parent if self.die_with_parent else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

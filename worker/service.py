@@ -248,9 +248,12 @@ class Worker:
                 job = jobs.get(rid)
                 if job is None:
                     continue
+            head = None
             if job.last_token_at is None:
                 self.metrics.ttft.labels(job.lane).observe(now - job.admitted_at)
                 urgent = urgent or job.lane == top
+                head = (job.prompt_tokens, None if o.prompt_logprobs is None else
+                        logprobs_json(o.prompt_logprobs, self._token_text))
             else:
                 gaps[job.last_token_at] = gaps.get(job.last_token_at, 0) + 1
             job.last_token_at = now
@@ -264,7 +267,7 @@ class Worker:
                     ended.append(job)
             lp = logprobs_json(o.logprobs, self._token_text) if o.logprobs else None
             batch.append((rid, job.attempt, None if job.n == 1 else k, o.delta,
-                          o.new_token_ids, lp, fr))
+                          o.new_token_ids, lp, fr, head))
         for last, count in gaps.items():
             observe_many(self.metrics.itl, now - last, count)
         self.metrics.generation_tokens.inc(sum(len(b[4]) for b in batch))  # tokens, not events

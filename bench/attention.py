@@ -1,7 +1,7 @@
 """Paged decode attention: achieved KV-read GB/s vs copy bandwidth and vs torch SDPA on the
 same data laid out contiguously (docs/benchmarks.md, Definitions 3). CUDA only.
 
-    PYTHONPATH=. python bench/kernels.py [--out DIR] [--sweep] [--fp8-sweep] [--quick] [--dry-run]
+    PYTHONPATH=. python bench/attention.py [--out DIR] [--sweep] [--fp8-sweep] [--quick] [--dry-run]
 
 --fp8-sweep: the same target points with a float8_e4m3fn cache (half the bytes), over the
 kernel's knobs; time against the bf16 cache's default config on the same data.
@@ -12,7 +12,7 @@ clock): its numbers mean nothing.
 KV bytes per call = B * L * Hkv * D * 2 (K and V) * elem size; both paths read the same
 bytes. Each timed call takes the next of several input sets when one set fits in L2 (and
 do_bench flushes L2 between calls anyway). Prints a table last; writes JSON to
-DIR/kernels-<timestamp>.json (DIR defaults to bench/results).
+DIR/attention-<timestamp>.json (DIR defaults to bench/results).
 """
 from __future__ import annotations
 
@@ -32,9 +32,8 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-if not __package__:  # run as a script: bench/ is sys.path[0] and this file shadows `kernels`
+if not __package__:  # run as a script: the checkout's root, not bench/, leads sys.path
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.modules.pop("kernels", None)
 from pagedq.kernels.decode_attention import choose_num_splits, decode_launch  # noqa: E402
 from pagedq.kernels.layout import transposed_view  # noqa: E402
 
@@ -234,7 +233,7 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test (see doc)")
     args = ap.parse_args()
     if not DRY and not torch.cuda.is_available():
-        print("bench/kernels.py needs CUDA (or --dry-run)", file=sys.stderr)
+        print("bench/attention.py needs CUDA (or --dry-run)", file=sys.stderr)
         return 2
     deadline = time.monotonic() + args.budget_s if args.budget_s else float("inf")
     name = "cpu (dry run)" if DRY else torch.cuda.get_device_properties(0).name
@@ -248,7 +247,7 @@ def main() -> int:
               "triton": triton.__version__, "block_size": BS, "head_dim": D,
               "dtype": str(DT), "targets": [], "grid": [], "sweep": []}
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path = os.path.join(args.out, f"attention-{time.strftime('%Y%m%d-%H%M%S')}.json")
 
     def save():
         with open(path, "w") as fh:
