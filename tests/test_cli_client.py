@@ -282,7 +282,8 @@ def options_without_default(parser: argparse.ArgumentParser) -> list[str]:
 def test_every_option_help_states_its_default():
     p = build_parser()
     # 4 job commands, watch, batch and its 7 subcommands, acl, inspect, dlq and its 2
-    # subcommands, functions and its 2 (load, show); worker, config, demo, gateway and its
-    # key, key add/list/revoke (the one root parser holds every command: pagedq/cli.py)
-    assert len(list(parsers(p))) == 19 + 3 + 8
+    # subcommands, functions and its 2 (load, show); worker, config, demo, serve, gateway
+    # and its key, key add/list/revoke (the one root parser holds every command:
+    # pagedq/cli.py)
+    assert len(list(parsers(p))) == 19 + 3 + 9
     assert options_without_default(p) == []
