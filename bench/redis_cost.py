@@ -139,7 +139,7 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
             job[4] -= n
             tokens += n
             batch.append((uid, job[2], None, " w" * n, [7] * n, None,
-                          "length" if job[4] == 0 else None))
+                          "length" if job[4] == 0 else None, None))  # (no event head)
             if job[4] == 0:
                 ended.append(uid)
         pub.tokens(batch)
