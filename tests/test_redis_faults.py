@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 import redis
 
+from pagedq.cli import main
 from pagedq.producer import Client
 from pagedq.wire.errors import JobNotFound, StorageFull
 from pagedq.wire.invariants import queue_counters
@@ -47,12 +48,13 @@ class Service:
                                       **env}).start()
         self.c = Client(settings=Settings(redis_url=srv.url, prefix=PREFIX, model=MODEL))
 
-    def health(self) -> dict:
+    def health(self, path: str = "healthz") -> dict:
+        """/healthz's (or /readyz's) JSON, with its HTTP status as ``code``."""
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=5) as r:
-                return json.load(r)
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/{path}", timeout=5) as r:
+                return {**json.load(r), "code": r.status}
         except urllib.error.HTTPError as e:
-            return json.load(e)
+            return {**json.load(e), "code": e.code}
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
@@ -139,11 +141,20 @@ def test_a_full_redis_refuses_submits_and_loses_no_running_job(service, kind):
             refused += 1
         assert refused == 300 and not admin.exists(*(c.keys.job(f"refused-{i}")
                                                      for i in range(300)))
+        assert main(["--redis-url", svc.srv.url, "--prefix", PREFIX, "submit", "--model",
+                     MODEL, "refused by the CLI"]) == 5  # refused (Overloaded)
         health = until(lambda: (h := svc.health())["status"] == "degraded" and h,
                        "the worker degraded", 60)
-        assert "Redis is full" in health["reason"], health
+        assert health["code"] == 200 and "Redis is full" in health["reason"], health
+        ready = svc.health("readyz")
+        assert ready["code"] == 503 and ready["status"] == "degraded", ready
         assert svc.metric("pagedq:redis_oom_errors_total") > 0
         assert svc.metric("pagedq:degraded") == 1
+        if kind == "7":  # the functions that end jobs run past maxmemory: the 16 finish now
+            until(lambda: all(c.status(j).done for j in running), "the 16 finished", 120)
+        else:  # 6.2: every FINISH is refused while Redis is full; the worker keeps them
+            assert not any(c.status(j).done for j in running)
+        assert not any(c.status(j).status == "running" for j in waiting)  # none started
         assert w.proc.poll() is None, w.log()
     finally:
         admin.config_set("maxmemory", "0")
@@ -163,7 +174,6 @@ def test_a_full_redis_refuses_submits_and_loses_no_running_job(service, kind):
 def test_the_function_library_is_loaded_and_upgraded_in_place(tmp_path, capsys):
     """Redis 7: a worker (script.ensure_library) or `pagedq functions load` loads pagedq's
     libraries unless Redis holds these versions; another version is replaced in place."""
-    from pagedq.cli import main
     from pagedq.wire import lua, script
 
     srv = server("7", tmp_path)
