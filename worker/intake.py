@@ -99,6 +99,7 @@ class Intake:
         # entries of ours left pending because Redis refused their START for memory: the
         # service reads its own pending entries again once Redis takes writes
         self.deferred = False
+        self.starts = 0  # entries STARTed (Redis took the write), for the service's health
         # ``on_stream_made(stream)``: set by the service (a stream that vanished, made again)
         self.new = NewEntries(ident, lambda stream: self.on_stream_made(stream))
         self.on_stream_made: Callable[[str], None] = lambda stream: None
@@ -127,6 +128,11 @@ class Intake:
                        for k in ident.tenants}
         self._rank = {stream: ident.lanes.index(lane) for stream, (_, lane) in
                       self._where.items()}
+
+    @property
+    def writes(self) -> int:
+        """MOVE rounds and STARTs Redis took so far: one more says it is not full."""
+        return self.starts + self.new.moves
 
     def has_backlog(self) -> bool:
         for lane in self.ident.lanes:
@@ -368,6 +374,7 @@ class Intake:
             self._reject_entry(e.keys, e.lane, e.entry_id, e.fields, e.error, e.job_id,
                                deliveries)
         elif e.kind is Read.started:
+            self.starts += 1  # (Redis took a START: it is not full for us)
             try:
                 self._start_job(e.keys, e.lane, e.entry_id, e.fields, e.req, deliveries,
                                 e.started)

@@ -359,7 +359,8 @@ class Publisher:
                     refused = f"Redis refused the heartbeat: {x}"
                 else:
                     log.error("publish_script_error", error=str(x))
-        self.on_redis_full("heartbeat", refused)
+        if calls:  # (a round without the heartbeat says nothing of it)
+            self.on_redis_full("heartbeat", refused)
         base = len(pubs)
         for (pub, published), reply in zip(pubs.values(), res, strict=False):
             if isinstance(reply, list):

@@ -61,6 +61,7 @@ class NewEntries:
         self.ident, self.r = ident, ident.r
         self.model, self.worker_id = ident.model, ident.worker_id
         self.on_stream_made = on_stream_made
+        self.moves = 0  # MOVE rounds Redis took (it was not full for them)
 
     def move_and_read(self, pairs: list[tuple[str, Keys, int]]) -> list:
         """For each (lane, key space, n): MOVE jobs from the inbox into the stream
@@ -77,6 +78,7 @@ class NewEntries:
                 pipe.xreadgroup(GROUP, self.worker_id, dict.fromkeys(streams, ">"), count=n)
 
         res = run_pipeline(self.r, fill)
+        self.moves += 1
         for (lane, k, _n), moved in zip(pairs, res, strict=False):
             if int(moved[1]):
                 self.on_stream_made(self.ident.stream(lane, k))

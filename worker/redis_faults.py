@@ -147,10 +147,12 @@ class RedisFaults:
         self.reread_own = True
         return False
 
-    def after_poll(self, deferred: bool) -> None:
-        """Intake's poll ended; ``deferred``: Redis refused a START for memory in it."""
+    def after_poll(self, deferred: bool, wrote: bool) -> None:
+        """Intake's poll ended; ``deferred``: Redis refused a START for memory in it;
+        ``wrote``: it took a MOVE or a START (only that says intake writes again: a poll
+        that wrote nothing proves nothing)."""
         if deferred:
             self.redis_full("intake", "a START was refused for memory")
             self._later(StorageFull("START refused"), quiet=True)
-        elif time.monotonic() >= self.retry_at:
+        elif wrote:
             self.redis_full("intake", "")

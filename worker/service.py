@@ -171,9 +171,10 @@ class Worker:
                     break
             else:
                 t, busy = time.perf_counter(), self.engine.has_unfinished()
+                writes = self.intake.writes
                 if self._redis_call(self.intake.poll, own_pending):
                     own_pending = False
-                    self.faults.after_poll(self.intake.deferred)
+                    self.faults.after_poll(self.intake.deferred, self.intake.writes > writes)
                     self.intake.deferred = False
                 if self.faults.reread_own:  # entries read and not started: read again
                     own_pending, self.faults.reread_own = True, False
