@@ -32,24 +32,28 @@ TENANT_ROLES = ("producer", "reader", "batch")  # one user per tenant; the other
 # a client the names of keys others write (job ids of the tenant). -@dangerous comes last
 # in every user, so nothing below can grant KEYS, CONFIG, DEBUG, FLUSHALL, MONITOR, ...
 CONNECTION = ("+@connection", "-client|tracking", "-client|caching")
-# Running the scripts: EVALSHA, SCRIPT LOAD after NOSCRIPT (pagedq.wire.script); producers
-# in other languages may EVAL the text, or ask SCRIPT EXISTS first as redis-py's Script does.
-# Every command a script runs is checked against the user's own rights (Redis runs it as
-# the caller), so EVAL grants nothing the other rules do not.
-SCRIPTING = ("eval", "evalsha", "script|load", "script|exists")
+# Running the scripts: FCALL (FCALL_RO for the read-only ones) of pagedq's function library
+# (Redis >= 7, pagedq.wire.lua.library), never EVAL, EVALSHA or SCRIPT: with them a client
+# runs any Lua it likes (a busy loop makes every other client wait: BUSY; the Lua heap is
+# outside maxmemory). Every command a function runs is still checked against the caller's
+# own rights (Redis runs it as the caller), so FCALL grants nothing the other rules do not.
+SCRIPTING = ("fcall", "fcall_ro")
+# The worker loads the library at start and when Redis lost it (worker/redis_faults.py).
+LIBRARY_LOADING = ("function|load",)
 # producer/reader.py: what status(), result(), stream() and subscribe() send (on a Redis
 # Cluster SSUBSCRIBE). Only (S)SUBSCRIBE, never PSUBSCRIBE: a pattern subscription would
 # receive every job's events.
 READS = ("exists", "hgetall", "xread", "xrevrange", "subscribe", "unsubscribe", "ssubscribe",
          "sunsubscribe")
 # worker/*.py outside the scripts: intake (XREADGROUP, XAUTOCLAIM, XPENDING, XINFO GROUPS,
-# XGROUP CREATE, XACK + XDEL in MULTI), release (XCLAIM), heartbeat (HSET, EXPIRE, ZADD,
-# ZREMRANGEBYSCORE, SADD, ZREM, DEL), cancels (SMISMEMBER), sweep (SMEMBERS), metrics
-# (XLEN, XPENDING), takeover replay (XRANGE).
+# XGROUP CREATE, XACK + XDEL in MULTI, BLPOP of the wake lists, LLEN and EXISTS for
+# --until-idle), release (XCLAIM), heartbeat (HSET, EXPIRE, ZADD, ZREMRANGEBYSCORE, SADD,
+# ZREM, DEL), cancels (SMISMEMBER), sweep (SMEMBERS), metrics (XLEN, XPENDING, LLEN),
+# takeover replay (XRANGE).
 WORKER_COMMANDS = ("xreadgroup", "xautoclaim", "xpending", "xinfo|groups", "xgroup|create",
                    "xack", "xdel", "xclaim", "xrange", "xlen", "hset", "expire", "zadd",
                    "zremrangebyscore", "zrem", "sadd", "smembers", "smismember", "del",
-                   "multi", "exec", "discard")
+                   "blpop", "llen", "exists", "multi", "exec", "discard")
 # The batch control plane runs rq, whose commands change with its versions: data commands
 # by category, minus what would list or wipe keys beyond its patterns (SCAN and RANDOMKEY
 # ignore key patterns; FUNCTION FLUSH/LOAD change the server for everyone).
@@ -67,9 +71,11 @@ GATEWAY_COMMANDS = ("xrange", "exists", "hset", "hmget", "hgetall", "zadd", "zre
                     "zrem", "del", "multi", "exec", "discard")
 
 # An autoscaler reading the queues' depth (KEDA's Redis Streams scaler: XLEN for the stream
-# length, XINFO GROUPS for the group's lag, XPENDING for its pending entries; deploy/k8s):
-# read-only on the jobs streams, and none of these returns an entry's body (the prompts).
-SCALER_COMMANDS = ("xlen", "xinfo|groups", "xpending")
+# length, XINFO GROUPS for the group's lag, XPENDING for its pending entries; its Redis
+# Lists scaler: LLEN of a lane's inbox, the jobs no worker has moved into the stream yet;
+# deploy/k8s): read-only on the jobs streams and inboxes, and none of these returns an
+# entry's body (the prompts).
+SCALER_COMMANDS = ("xlen", "xinfo|groups", "xpending", "llen")
 
 _CALL_RE = re.compile(r"""redis\.p?call\s*[(,]\s*'([A-Za-z]+)'(?:\s*,\s*'([A-Za-z]+)')?""")
 _CONTAINERS = {"xgroup", "xinfo", "script", "client", "object", "memory", "config", "function"}
@@ -120,10 +126,12 @@ def tenant_key_rules(k: Keys) -> list[KeyRule]:
     prefix). Comments say what needs the access."""
     a = "*"
     return [
-        # SUBMIT adds entries and makes the group, but nobody except workers may read the
-        # jobs streams (every producer's prompts are there) or delete them: no root access,
-        # only the script selector's XADD and XGROUP CREATE
-        KeyRule(k.jobs(a, a), {"producer": "", "batch": ""}, _PB),
+        # SUBMIT appends a job to its lane's inbox, but nobody except workers may read the
+        # inboxes (every producer's prompts are there) or take from them: no root access,
+        # only the script selector's RPUSH. The jobs streams are the workers' alone.
+        KeyRule(k.inbox(a, a), {"producer": "", "batch": ""}, _PB),
+        KeyRule(k.wake(a), {"producer": "RW", "batch": "RW"}, _PB),  # SUBMIT rings it
+        KeyRule(k.vocab, {"producer": "R", "batch": "R"}),  # the gateway's token id check
         # SUBMIT/CANCEL write the record, clients read it
         KeyRule(k.job(a), {"producer": "RW", "batch": "RW", "reader": "R"}, _PB),
         # SUBMIT clears, CANCEL writes the final event; clients read the events
@@ -157,7 +165,7 @@ def key_patterns(role: str, tenants: list[Keys], home: Keys | None = None) -> li
     if role == "worker":
         return [f"~{k.base}:*" for k in tenants]
     if role == "scaler":
-        return [f"%R~{k.jobs('*', '*')}" for k in tenants]
+        return [f"%R~{p}" for k in tenants for p in (k.jobs("*", "*"), k.inbox("*", "*"))]
     if role == "gateway":  # the batch role's (it serves /v1/batches), the uploads' records
         rules = key_patterns("batch", tenants)
         rules += [f"~{p}" for k in tenants for p in (k.file("*"), k.files)]
@@ -170,27 +178,28 @@ def key_patterns(role: str, tenants: list[Keys], home: Keys | None = None) -> li
 
 
 # What the script selector allows besides running scripts: the commands the scripts run on
-# keys that only the selector covers (SUBMIT on the jobs stream).
-SELECTOR_COMMANDS = ("xadd", "xgroup|create")
+# keys that only the selector covers (SUBMIT's RPUSH on a lane's inbox: it cannot remove a
+# job, trim the queue or read it, as XADD ... MAXLEN 0 or MINID on a jobs stream could).
+SELECTOR_COMMANDS = ("rpush",)
 
 
 def script_selector(role: str, tenants: list[Keys], home: Keys | None = None) -> list[str]:
-    """Redis checks the KEYS of EVAL/EVALSHA for read AND write access, and then each
-    command a script runs on its own. A Redis 7 selector (a command is allowed when the
-    root rules or one selector allow it with all its keys) gives the script calls every
-    key their KEYS name, with no other command than running scripts and SELECTOR_COMMANDS;
-    so a key can be a script's KEYS while the root rules keep it write-only or out of
-    reach (the jobs streams: no XRANGE, no DEL). The gateway runs the batch role's
-    scripts, and ADMIT on its read-only API keys hash (a selector of its own: no XADD)."""
+    """Redis checks the KEYS of FCALL for read AND write access, and then each command a
+    function runs on its own. A Redis 7 selector (a command is allowed when the root rules
+    or one selector allow it with all its keys) gives the function calls every key their
+    KEYS name, with no other command than running functions and SELECTOR_COMMANDS; so a key
+    can be a function's KEYS while the root rules keep it write-only or out of reach (the
+    inboxes: no LRANGE, no LPOP, no LTRIM, no DEL). The gateway runs the batch role's
+    functions, and ADMIT on its read-only API keys hash (a selector of its own: no RPUSH)."""
+    run = [f"+{c}" for c in SCRIPTING]
     if role == "gateway":
-        own = [f"(~{home.apikeys} +evalsha +eval)"] if home else []
+        own = ["(" + " ".join([f"~{home.apikeys}", *run]) + ")"] if home else []
         return script_selector("batch", tenants) + own
     keys = [f"~{r.pattern}" for k in tenants for r in tenant_key_rules(k)
             if role in r.scripted]
     if not keys:
         return []
-    return ["(" + " ".join([*keys, "+evalsha", "+eval", *(f"+{c}" for c in SELECTOR_COMMANDS)])
-            + ")"]
+    return ["(" + " ".join([*keys, *run, *(f"+{c}" for c in SELECTOR_COMMANDS)]) + ")"]
 
 
 def channel_patterns(role: str, tenants: list[Keys]) -> list[str]:
@@ -211,7 +220,7 @@ def command_rules(role: str) -> list[str]:
     elif role in ("producer", "batch"):
         cmds = (*SCRIPTING, *READS, *role_script_commands(role))
     elif role == "worker":
-        cmds = (*SCRIPTING, *WORKER_COMMANDS, *role_script_commands(role))
+        cmds = (*SCRIPTING, *LIBRARY_LOADING, *WORKER_COMMANDS, *role_script_commands(role))
     elif role == "gateway":
         cmds = (*SCRIPTING, *READS, *GATEWAY_COMMANDS, *role_script_commands(role))
     elif role == "scaler":

@@ -1,4 +1,5 @@
-"""``pagedq inspect`` and ``pagedq dlq list|requeue``: the queue, the dead letters and the
+"""``pagedq inspect`` and ``pagedq dlq list|requeue`` (and ``pagedq functions``, admin/
+functions_cli.py): the queue, the dead letters and the
 workers without redis-cli (docs/protocol.md "Inspecting a deployment and dead letters").
 
 ``register(subparsers, parents)`` adds them (pagedq/cli.py calls it). Options go in any
@@ -29,7 +30,7 @@ from pagedq.producer.client import Client
 from pagedq.wire.keys import Keys, check_lane
 from pagedq.wire.settings import Settings
 
-from . import dlq, inspect_text
+from . import dlq, functions_cli, inspect_text
 from .inspection import ModelNotFound, model_lanes, snapshot
 
 EXIT_CODES_HELP = "exit codes:\n" + __doc__.split("table):\n\n", 1)[1]
@@ -229,3 +230,4 @@ def register(subparsers: argparse._SubParsersAction,
                    help="a DLQ entry id (as dlq list prints) or a dead job's id")
     q.add_argument("--all", action="store_true",
                    help="every entry of --model (and --lane), oldest first (default: off)")
+    functions_cli.register(subparsers, parents)  # `pagedq functions load|show`

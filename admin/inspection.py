@@ -7,9 +7,11 @@ inspecting never changes the queue. Ages are measured against Redis ``TIME``, th
 every script uses; a worker's heartbeat ``at`` is its own clock, so skew between hosts
 shows in ``beat_s``.
 
-Models are the members of ``{P}:models`` plus any model that has a jobs or DLQ stream
-(found by SCAN: an admin command may walk the keyspace; the hot paths never do). Lanes of
-a model are this deployment's ``settings.lanes`` plus any other lane with a stream.
+Models are the members of ``{P}:models`` plus any model that has a jobs or DLQ stream or
+an inbox (found by SCAN: an admin command may walk the keyspace; the hot paths never do).
+Lanes of a model are this deployment's ``settings.lanes`` plus any other lane with one.
+A lane's ``stream_length`` counts its unfinished jobs: those in its jobs stream and those
+still in its inbox (``inbox``: submitted, not yet moved into the stream by a worker).
 
 With several partitions every partition is read and a lane's figures are their sums (its
 oldest pending entries and newest dead letters: the oldest / newest of all partitions,
@@ -54,7 +56,7 @@ def model_lanes(r: redis.Redis, keys: Keys, lanes: tuple[str, ...],
     found: dict[str, set[str]] = {}
     for k in keys.spaces(partitions):
         found.update((m, found.get(m, set())) for m in r.smembers(k.models))
-        for kind in ("jobs", "dlq"):
+        for kind in ("jobs", "inbox", "dlq"):
             for m, lane in _scan_model_lanes(r, f"{k.base}:{kind}:"):
                 found.setdefault(m, set()).add(lane)
     if model is not None:
@@ -72,6 +74,9 @@ def _ok(x: Any, default: Any) -> Any:
     return default if isinstance(x, Exception) else x
 
 
+_READS = 8  # the replies of one lane's reads
+
+
 def _lane_reads(pipe: Any, keys: Keys, model: str, lane: str, count: int) -> None:
     stream = keys.jobs(model, lane)
     pipe.get(keys.queued_jobs(model, lane))
@@ -81,17 +86,19 @@ def _lane_reads(pipe: Any, keys: Keys, model: str, lane: str, count: int) -> Non
     pipe.xpending_range(stream, GROUP, min="-", max="+", count=count)
     pipe.xlen(keys.dlq(model, lane))
     pipe.xrevrange(keys.dlq(model, lane), count=count)
+    pipe.llen(keys.inbox(model, lane))
 
 
 def _lane_view(model: str, lane: str, replies: list[Any], now: float,
                partition: int = 0) -> dict[str, Any]:
-    qjobs, qtokens, length, summary, oldest, dlq_len, dlq = replies
+    qjobs, qtokens, length, summary, oldest, dlq_len, dlq, inbox = replies
     summary = _ok(summary, None) or {}
     view = {
         "lane": lane,
         "queued": int(_ok(qjobs, None) or 0),
         "queued_tokens": int(_ok(qtokens, None) or 0),
-        "stream_length": int(_ok(length, 0)),
+        "stream_length": int(_ok(length, 0)) + int(_ok(inbox, 0)),
+        "inbox": int(_ok(inbox, 0)),
         "pending": int(summary.get("pending") or 0),
         "pending_by_consumer": {c["name"]: int(c["pending"])
                                 for c in summary.get("consumers") or []},
@@ -116,7 +123,8 @@ def _merged(views: list[dict[str, Any]], count: int) -> dict[str, Any]:
     if len(views) == 1:
         return out
     for v in views[1:]:
-        for name in ("queued", "queued_tokens", "stream_length", "pending", "dlq_length"):
+        for name in ("queued", "queued_tokens", "stream_length", "inbox", "pending",
+                     "dlq_length"):
             out[name] += v[name]
         for c, n in v["pending_by_consumer"].items():
             out["pending_by_consumer"][c] = out["pending_by_consumer"].get(c, 0) + n
@@ -179,8 +187,8 @@ def snapshot(r: redis.Redis, keys: Keys, lanes: tuple[str, ...], model: str | No
         for lane in ls:
             per = []
             for k in spaces:
-                per.append(_lane_view(m, lane, replies[i:i + 7], now, k.partition))
-                i += 7
+                per.append(_lane_view(m, lane, replies[i:i + _READS], now, k.partition))
+                i += _READS
             views.append(_merged(per, count))
         out_models.append({"model": m, "served_by": len(serving[m]), "lanes": views})
     workers, silent = [], []

@@ -15,10 +15,10 @@ from datetime import timedelta
 from typing import Any
 
 from pagedq.producer.client import Client
-from pagedq.wire.connection import connect
 from pagedq.wire.keys import Keys
 from pagedq.wire.settings import Settings
 
+from .rq_redis import connect_rq
 from .settings import BatchSettings
 from .store import BatchStore
 
@@ -31,12 +31,12 @@ FAILURE_TTL_S = 86400
 def make_queue(redis_url: str, name: str, settings: Settings) -> Any:
     """The rq queue ``name`` on its own (never a cluster) connection to ``redis_url`` (see
     BatchSettings.rq_url), with the settings' credentials and TLS (rq hands that
-    connection's arguments on to its scheduler process)."""
+    connection's class and arguments on to its scheduler process); rq's Lua runs as
+    functions (batch/rq_redis.py)."""
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    return Queue(name, connection=connect(settings, redis_url, cluster=False),
-                 serializer=JSONSerializer)
+    return Queue(name, connection=connect_rq(settings, redis_url), serializer=JSONSerializer)
 
 
 def new_token() -> str:

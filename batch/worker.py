@@ -18,9 +18,10 @@ import threading
 
 import redis
 
-from pagedq.wire.connection import connect, probe
+from pagedq.wire.connection import probe
 from pagedq.wire.settings import Settings
 
+from .rq_redis import connect_rq
 from .runtime import Runtime, configure, new_token, runtime
 from .settings import MAX_WINDOW_S, BatchSettings
 
@@ -89,7 +90,7 @@ def run_worker(redis_url: str, prefix: str, settings: Settings, bs: BatchSetting
     probe(settings, rq_url)
     rt.r.ping()
     rearm_stale(rt)
-    worker = _Worker([bs.batch_queue], connection=connect(settings, rq_url, cluster=False),
+    worker = _Worker([bs.batch_queue], connection=connect_rq(settings, rq_url),
                      serializer=JSONSerializer, name=name,
                      maintenance_interval=int(max(10, bs.batch_lease_s)))
     dog = Watchdog(rt, worker.log)

@@ -86,15 +86,16 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
     from pagedq.wire import script
     from pagedq.wire.connection import connect
     from pagedq.wire.schema import FinishReason, Status
-    from pagedq.wire.worker_scripts import Start, StartKind
+    from pagedq.wire.worker_scripts import Move, Start, StartKind
     from pagedq.worker.publisher import Final, Publisher
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
     s = settings_of(load)
     r = connect(s, decode_responses=True)
+    script.prepare(r)  # FCALL (Redis >= 7) or EVALSHA, for the publisher's pipelines
     spaces = Keys(load.prefix).spaces(load.partitions)
     for k in spaces:
-        with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: made by SUBMIT already
+        with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: made by MOVE already
             r.xgroup_create(k.jobs(MODEL), GROUP, id="0", mkstream=True)
     pub = Publisher(r, s).start()
     wid = f"sim-{idx}"
@@ -111,6 +112,7 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
             for j in range(len(spaces)):  # every partition, from a rotating first one
                 k = spaces[(turn + j) % len(spaces)]
                 block = 100 if not running and j == len(spaces) - 1 and not got else None
+                script.run(r, Move(k, MODEL, "interactive", room))  # SUBMIT's inbox -> stream
                 resp = r.xreadgroup(GROUP, wid, {k.jobs(MODEL): ">"}, count=room, block=block)
                 for entry_id, fields in (resp[0][1] if resp else []):
                     job_id = fields["job"]
@@ -137,7 +139,7 @@ def worker_main(load: Load, idx: int, counters, stop_work) -> None:
             job[4] -= n
             tokens += n
             batch.append((uid, job[2], None, " w" * n, [7] * n, None,
-                          "length" if job[4] == 0 else None, None))  # worker.publisher.TokenDelta
+                          "length" if job[4] == 0 else None, None))  # (no event head)
             if job[4] == 0:
                 ended.append(uid)
         pub.tokens(batch)

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedq.batch import BatchSettings
 from pagedq.wire.connection import RedisUnusable, connect_async, start_async_cluster
+from pagedq.wire.errors import PagedqError
 from pagedq.wire.settings import Settings
 
 from . import batches, completions, models, responses
@@ -96,7 +97,7 @@ def create_app(settings: Settings | None = None, gateway: GatewaySettings | None
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> Response:
-        err = from_pagedq(e) if isinstance(e, redis.RedisError) else None
+        err = from_pagedq(e) if isinstance(e, redis.RedisError | PagedqError) else None
         if err is None:
             log.exception("unexpected_error path=%s", request.url.path)
             err = APIError(500, "internal error of the gateway", "internal_error")

@@ -3,7 +3,10 @@
 Uploaded files (purpose ``batch``) are written to ``<batch_dir>/uploads/<tenant>/<file
 id>.jsonl`` (the batch folder every gateway process and rq worker must share) with a
 record in Redis, ``{T}:file:<file id>`` (a hash) and ``{T}:files`` (ids by upload time),
-under the tenant's prefix T. A batch made from one (``AsyncBatches.create``) copies it
+under the tenant's prefix T. An upload expires ``PAGEDQ_GATEWAY_UPLOAD_TTL_S`` after it was
+made (its record's TTL; its bytes and index entry go at the tenant's next upload or file
+list), and a tenant's live uploads may hold ``PAGEDQ_GATEWAY_UPLOAD_QUOTA_BYTES`` at most
+(checked at each upload, once its size is known). A batch made from one (``AsyncBatches.create``) copies it
 into its own folder; its output and error files are served as the file ids
 ``file-<batch id>-output`` and ``file-<batch id>-errors``: the lines so far while the
 batch runs, the final files (in input order) once it has ended. The batch's
@@ -69,16 +72,44 @@ async def upload(gw: Any, tenant: str, request: Request) -> dict[str, Any]:
         info = await asyncio.to_thread(_store, f, folder, path, gw.batch_settings)
     finally:
         await form.close()
+    quota, ttl = gw.gateway.upload_quota_bytes, gw.gateway.upload_ttl_s
+    used = sum(int(rec.get("bytes") or 0) for _i, rec in await _live_files(gw, tenant))
+    if quota and used + info["bytes"] > quota:
+        await asyncio.to_thread(path.unlink, True)
+        raise bad_request(f"the tenant's uploaded files would hold {used + info['bytes']} "
+                          f"bytes, past its quota of {quota} (PAGEDQ_GATEWAY_UPLOAD_QUOTA_BYTES): "
+                          "delete files first", "file", "storage_quota_exceeded")
+    now = int(time.time())
     rec = {"filename": f.filename or "upload.jsonl", "bytes": info["bytes"],
-           "created_at": int(time.time()), "purpose": "batch", "path": str(path),
+           "created_at": now, "purpose": "batch", "path": str(path),
            "lines": info["lines"], "models": json.dumps(info["models"]),
-           "urls": json.dumps(info["urls"])}
+           "urls": json.dumps(info["urls"]), "expires_at": now + ttl if ttl else ""}
     r = gw.tenants.client(tenant).redis
     async with r.pipeline(transaction=True) as pipe:
         pipe.hset(_file_key(tenant, file_id), mapping=rec)
+        if ttl:
+            pipe.expire(_file_key(tenant, file_id), ttl)
         pipe.zadd(_files_key(tenant), {file_id: time.time()})
         await pipe.execute()
     return _file_object(file_id, rec)
+
+
+async def _live_files(gw: Any, tenant: str) -> list[tuple[str, dict[str, str]]]:
+    """The tenant's uploads whose record lives, newest first; those whose record expired
+    leave the index and the disk here."""
+    r = gw.tenants.client(tenant).redis
+    ids = await r.zrevrange(_files_key(tenant), 0, -1)
+    async with r.pipeline(transaction=False) as pipe:
+        for i in ids:
+            pipe.hgetall(_file_key(tenant, i))
+        recs = await pipe.execute()
+    gone = [i for i, rec in zip(ids, recs, strict=True) if not rec and UPLOAD_ID_RE.match(i)]
+    if gone:
+        await r.zrem(_files_key(tenant), *gone)
+        folder = gw.batch_settings.dir_path() / "uploads" / tenant
+        for i in gone:
+            await asyncio.to_thread((folder / f"{i}.jsonl").unlink, True)
+    return [(i, rec) for i, rec in zip(ids, recs, strict=True) if rec]
 
 
 def _store(f: UploadFile, folder: Path, path: Path, bs: Any) -> dict[str, Any]:
@@ -127,7 +158,8 @@ def _file_object(file_id: str, rec: dict[str, Any]) -> dict[str, Any]:
     return {"id": file_id, "object": "file", "bytes": int(rec.get("bytes") or 0),
             "created_at": int(float(rec.get("created_at") or 0)),
             "filename": rec.get("filename", ""), "purpose": rec.get("purpose", "batch"),
-            "status": "processed", "status_details": None, "expires_at": None}
+            "status": "processed", "status_details": None,
+            "expires_at": int(rec["expires_at"]) if rec.get("expires_at") else None}
 
 
 async def _upload_record(gw: Any, tenant: str, file_id: str) -> dict[str, str]:
@@ -150,14 +182,9 @@ async def retrieve_file(gw: Any, tenant: str, file_id: str) -> dict[str, Any]:
 
 
 async def list_files(gw: Any, tenant: str, limit: int) -> dict[str, Any]:
-    r = gw.tenants.client(tenant).redis
-    ids = await r.zrevrange(_files_key(tenant), 0, max(0, min(limit, 10_000) - 1))
-    async with r.pipeline(transaction=False) as pipe:
-        for i in ids:
-            pipe.hgetall(_file_key(tenant, i))
-        recs = await pipe.execute()
-    data = [_file_object(i, rec) for i, rec in zip(ids, recs, strict=True) if rec]
-    return {"object": "list", "data": data, "has_more": False}
+    live = (await _live_files(gw, tenant))[:max(0, min(limit, 10_000))]
+    return {"object": "list", "data": [_file_object(i, rec) for i, rec in live],
+            "has_more": False}
 
 
 async def file_content(gw: Any, tenant: str, file_id: str) -> Response:

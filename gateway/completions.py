@@ -29,7 +29,7 @@ from pagedq.wire.schema import FinalEvent, JobRecord, JobRequest, Status
 from . import models
 from .apikeys import Admitted
 from .errors import APIError, from_pagedq
-from .requests import Generation, generation, parse_json
+from .requests import Generation, check_vocabulary, generation, parse_json
 from .stream import Counter, Renderer, final_error, frame, prime, sse
 
 log = logging.getLogger("pagedq.gateway")
@@ -55,6 +55,10 @@ async def handle(gw: Any, kind: str, request: Request) -> Response:
     client = gw.tenants.client(adm.tenant)
     try:
         if gen.resume is None:
+            if any(isinstance(r.prompt, list) or r.logit_bias for r in gen.reqs):
+                size = await client.redis.hget(client.keys.vocab, gen.req.model)
+                for r in gen.reqs:
+                    check_vocabulary(r, int(size) if size else None)
             await submit(gw, client, gen.reqs)
         else:
             await client.status(gen.job_id)  # 404 now rather than an error event later

@@ -15,6 +15,7 @@ from pagedq.wire.errors import (
     NoWorker,
     Overloaded,
     ResultTimeout,
+    StorageFull,
 )
 
 # status -> OpenAI's error type
@@ -57,6 +58,9 @@ def from_pagedq(e: Exception, overloaded_retry_after: int = 1) -> APIError | Non
     if isinstance(e, InvalidRequest):
         msg = str(e).removeprefix("invalid job request: ")
         return bad_request(msg, _param_of(msg))
+    if isinstance(e, StorageFull):  # (an Overloaded: Redis itself is full, not the queue)
+        return APIError(503, f"the queue's storage is full, retry later ({e})", "storage_full",
+                        retry_after=5)
     if isinstance(e, Overloaded):
         return APIError(429, f"the queue is full, retry later ({e})", "overloaded",
                         retry_after=overloaded_retry_after)

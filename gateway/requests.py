@@ -81,14 +81,47 @@ class Generation:
         return sum(queued_tokens_of(r) + (r.n - 1) * r.max_tokens for r in self.reqs)
 
 
+MAX_JSON_DEPTH = 100  # objects and arrays nested deeper are refused (400), not parsed on
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the body is not JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # deeper than the parser goes (the interpreter's recursion limit)
+        body = None
+    if body is None or _too_deep(body, MAX_JSON_DEPTH):
+        raise bad_request(f"the body's JSON is nested more than {MAX_JSON_DEPTH} levels deep",
+                          code="invalid_json")
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
     return body
+
+
+def _too_deep(obj: Any, limit: int) -> bool:
+    """Are arrays or objects nested more than ``limit`` levels deep? (no recursion)"""
+    stack = [(obj, 1)]
+    while stack:
+        o, depth = stack.pop()
+        if isinstance(o, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return False
+
+
+def check_vocabulary(req: JobRequest, vocab_size: int | None) -> None:
+    """Token ids of the prompt and of ``logit_bias`` must be below the vocabulary size the
+    model's workers announced (``{P}:vocab``; None: not known yet, the worker checks)."""
+    if not vocab_size:
+        return
+    if isinstance(req.prompt, list) and (bad := [t for t in req.prompt if t >= vocab_size]):
+        raise bad_request(f"prompt token id {bad[0]} is outside the model's vocabulary "
+                          f"[0, {vocab_size})", "prompt", "invalid_token_id")
+    if req.logit_bias and (bad := [t for t in req.logit_bias if t >= vocab_size]):
+        raise bad_request(f"logit_bias token id {bad[0]} is outside the model's vocabulary "
+                          f"[0, {vocab_size})", "logit_bias", "invalid_token_id")
 
 
 def parse_event_id(value: str) -> tuple[str, int, int]:
@@ -113,6 +146,10 @@ def generation(kind: str, body: dict[str, Any], default_model: str,
         raise bad_request("stream must be true or false", "stream")
     usage, continuous = stream_options(data.pop("stream_options", {}), stream)
     detach, job_id = extension(data, headers)
+    for i, m in enumerate((data.get("messages") or []) if kind == "chat" else []):
+        if isinstance(m, dict) and m.get("role") == "tool" and not m.get("tool_call_id"):
+            raise bad_request(f"messages[{i}]: a tool message needs the tool_call_id of the "
+                              "call it answers", f"messages[{i}].tool_call_id")
     try:
         sh = shape(kind, data)
     except FieldError as e:

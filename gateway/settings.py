@@ -26,3 +26,8 @@ class GatewaySettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     # Retry-After of a 429 for a full queue (PAGEDQ_MAX_QUEUED_JOBS/_TOKENS)
     overloaded_retry_after_s: int = Field(1, ge=1)
+    # an uploaded file (POST /v1/files) is deleted this long after its upload, as OpenAI
+    # deletes batch input files after 30 days; 0 = kept until deleted
+    upload_ttl_s: int = Field(30 * 86400, ge=0)
+    # the bytes of uploaded files a tenant may keep at once (an upload past it: 400); 0 = no cap
+    upload_quota_bytes: int = Field(10 * 2**30, ge=0)

@@ -33,6 +33,7 @@ from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
 from pagedq.worker.tenants import fair_take, rotated
 from tests.model_fixtures import make_tiny_chat_model
+from tests.queue_helpers import move
 from tests.test_batch_e2e import RqWorker, until
 from tests.test_gateway import CHAT, Gateway
 from tests.tiny_service import MODEL
@@ -175,8 +176,11 @@ def test_the_file_is_built_from_the_key_scheme_and_keeps_no_password(tmp_path, c
     # patterns from wire/keys.py; the jobs streams only in the scripts' selector
     root, selector = producer.split(" (")
     assert f"~{k.job('*')}" in root and f"&{k.chan('*')}" in root and k.jobs("*", "*") not in root
-    assert selector.startswith(f"~{k.jobs('*', '*')} ") and selector.endswith(
-        "+evalsha +eval +xadd +xgroup|create)")
+    assert selector.startswith(f"~{k.inbox('*', '*')} ") and selector.endswith(
+        "+fcall +fcall_ro +rpush)") and k.inbox("*", "*") not in root
+    assert k.jobs("*", "*") not in producer  # the jobs streams are the workers' alone
+    for cmd in ("+eval", "+evalsha", "+script", "+function"):
+        assert cmd not in producer.split(), cmd
     assert f"%R~{k.job('*')}" in lines["reader-t-1"] and "+hset" not in lines["reader-t-1"]
     assert "~rq:*" in lines["batch-t-1"] and f"~{k.base}:*" in lines["worker"]
     # the gateway: the batch role's keys and the uploads' of the tenants; its API keys
@@ -187,8 +191,9 @@ def test_the_file_is_built_from_the_key_scheme_and_keeps_no_password(tmp_path, c
     assert f"~{k.file('*')}" in gw_root and f"~{k.batch('*')}" in gw_root
     assert f"%R~{home.apikeys}" in gw_root and f"~{home.ratelimit('*', '*')}" in gw_root
     assert "+hlen" in gw_root and "~rq:*" in gw_root and k.apikeys not in lines["gateway"]
-    assert f"~{k.jobs('*', '*')}" in gw_tenant_sel and k.jobs("*", "*") not in gw_root
-    assert gw_keys_sel == f"~{home.apikeys} +evalsha +eval)"
+    assert f"~{k.inbox('*', '*')}" in gw_tenant_sel and k.inbox("*", "*") not in gw_root
+    assert gw_keys_sel == f"~{home.apikeys} +fcall +fcall_ro)"
+    assert "+function|load" in lines["worker"] and "+eval" not in lines["worker"].split()
     assert all("-@dangerous" in ln for name, ln in lines.items()
                if name not in ("admin", "default"))
     # the other users' passwords were generated and shown once, on stderr only
@@ -204,7 +209,7 @@ def test_every_script_command_is_seen_by_the_parser():
         calls = len(re.findall(r"redis\.p?call\s*\(|pcall\s*\(\s*redis\.call\s*,", text))
         found = len(re.findall(r"redis\.p?call\s*[(,]\s*'[A-Za-z]+'", text))
         assert calls == found, name
-    assert "xgroup|create" in acl.commands_of_scripts(("submit",))
+    assert "xgroup|create" in acl.commands_of_scripts(("move",))
     assert "xrevrange" in acl.commands_of_scripts(("cancel",))  # pcall(redis.call, ...)
 
 
@@ -316,7 +321,7 @@ def test_another_tenant_cannot_read_cancel_or_forge_a_job(env):
                  lambda: r.hget(k.job(job), "status"),
                  lambda: r.hset(k.job(job), "status", "finished"),
                  lambda: r.xadd(k.out(job), {"t": "final", "text": "forged"}),
-                 lambda: r.evalsha(r.script_load(lua.source("cancel")), 3, *cancel_keys, *cancel_args),
+                 lambda: r.fcall("pagedq_cancel", 3, *cancel_keys, *cancel_args),
                  lambda: r.execute_command("SUBSCRIBE", k.chan(job))):
         noperm(what)
     # through the client too: its keys are tenant one's, its user tenant two's
@@ -329,6 +334,53 @@ def test_another_tenant_cannot_read_cancel_or_forge_a_job(env):
     with pytest.raises(JobNotFound):  # in its own tenant the id names nothing
         env.client(f"producer-{T2}", T2).status(job)
     assert a.cancel(job) and a.result(job, timeout=60).status == "cancelled"
+
+
+BUSY_LOOP = "#!lua name=spin\nredis.register_function('spin', function() while true do end end)"
+
+
+def test_each_role_runs_pagedqs_functions_alone_and_cannot_cut_the_queue(env):
+    """docs/security.md "What each role may do": the producer, batch and gateway users run
+    pagedq's functions (FCALL) and no Lua of their own (no EVAL, SCRIPT LOAD or FUNCTION
+    LOAD: a busy loop would stall every client), and cannot remove queued jobs: no XADD
+    MAXLEN/MINID or XTRIM on a jobs stream (they have no right on it at all), no LTRIM,
+    LPOP, DEL or LRANGE on an inbox. A job queued meanwhile stays queued and counted. The
+    reader runs no script; the worker loads the library (and nothing else of FUNCTION)."""
+    adm, k = env.raw("admin"), Keys(T1)
+    p = env.client(f"producer-{T1}")
+    model = "nobody-acl"  # no worker serves it: its job waits in the lane's inbox
+    job = p.submit("keep me queued", model=model, max_tokens=2)
+    box, stream = k.inbox(model), k.jobs(MODEL)
+    assert adm.exists(stream) and adm.llen(box) == 1
+    for user in (f"producer-{T1}", f"batch-{T1}", "gateway", f"reader-{T1}", "worker"):
+        r = env.raw(user)
+        noperm(r.eval, "return 1", 0)
+        noperm(r.evalsha, "0" * 40, 0)
+        noperm(r.script_load, "return 1")
+        noperm(r.execute_command, "FUNCTION", "DELETE", "pagedq")
+        noperm(r.execute_command, "FUNCTION", "FLUSH")
+        if user == "worker":
+            continue
+        noperm(r.execute_command, "FUNCTION", "LOAD", BUSY_LOOP)
+        noperm(r.execute_command, "XADD", stream, "MAXLEN", "0", "*", "x", "y")
+        noperm(r.execute_command, "XADD", stream, "MINID", "99999999999999", "*", "x", "y")
+        noperm(r.xtrim, stream, maxlen=0)
+        noperm(r.xrange, stream)
+        for cut, *args in ((r.ltrim, box, 1, 0), (r.lpop, box), (r.delete, box),
+                           (r.lrange, box, 0, -1), (r.expire, box, 1)):
+            noperm(cut, *args)
+        if user == f"reader-{T1}":
+            noperm(r.fcall, "pagedq_served", 1, k.models, k.base)
+        else:  # a worker's function runs with the caller's rights: MOVE's LPOP is refused
+            with pytest.raises(redis.exceptions.ResponseError, match="can't|permissions"):
+                r.fcall("pagedq_move", 2, box, k.jobs(model), k.base, 10, GROUP)
+    assert adm.llen(box) == 1 and not adm.exists(k.jobs(model))
+    snap = queue_counters(adm, k, model)
+    assert snap.ok and snap.queued_jobs == 1, snap
+    assert p.status(job).status == "queued" and p.cancel(job)
+    # the worker loaded the library at its start: this version, made from wire/lua/
+    assert adm.fcall_ro("pagedq_version", 0) == lua.library_version()
+    assert "spin" not in str(adm.execute_command("FUNCTION", "LIST"))
 
 
 def test_non_admin_users_get_no_server_wide_command(env):
@@ -370,10 +422,11 @@ def test_takeover_and_dead_letters_use_the_jobs_tenant(env):
     stream = k2.jobs(MODEL, "interactive")
     w.signal(signal.SIGSTOP)  # so that the dead consumer, not the worker, reads the entry
     try:
-        # its last blocking XREADGROUP (500 ms) must have ended, or it would still get it
+        # its last blocking read (500 ms) must have ended, or it would still get it
         until(lambda: not any("b" in c["flags"] for c in adm.client_list()),
               "no client blocked on a stream", 10)
         job = b.submit("orphan", max_tokens=3, ignore_eos=True)
+        assert move(adm, k2, MODEL) == 1  # (what a worker's read does first)
         assert adm.xreadgroup(GROUP, "ghost", {stream: ">"}, count=1)
         adm.xadd(stream, {"job": "bad-entry", "body": "{not json"})
     finally:
@@ -501,9 +554,9 @@ def test_gateway_user_serves_its_tenant_and_nothing_more(env, tmp_path):
     noperm(r.hgetall, k.worker(env.worker.worker_id))
     noperm(r.xlen, k.dlq(MODEL, "interactive"))
     noperm(r.hset, k.apikeys, "0" * 64, json.dumps({"tenant": T1}))
-    with pytest.raises(redis.exceptions.ResponseError, match="can't access at least one of the keys"):
-        r.eval("return redis.call('HSET', KEYS[1], 'x', '{}')", 1, k.apikeys)
-    assert r.hlen(k.apikeys) == 2
+    with pytest.raises(redis.exceptions.ResponseError, match="can't"):  # its own function
+        r.fcall("pagedq_settle", 1, k.apikeys, 5)  # (HINCRBY, refused on the read-only hash)
+    assert r.hlen(k.apikeys) == 2 and "t" not in adm.hgetall(k.apikeys)
     noperm(r.hgetall, k2.job("any"))
     noperm(r.xread, {k2.out("any"): "0-0"})
     noperm(r.execute_command, "SUBSCRIBE", k2.chan("any"))
@@ -521,15 +574,22 @@ def test_a_partitioned_tenants_users_cover_its_partitions_only(tmp_path):
     srv = RedisServer(min_version=(7, 0), extra=["--aclfile", str(aclfile)]).start()
     e = Env(srv, secrets, aclfile)
     try:
+        # no worker here to load pagedq's functions: loaded at deploy, as admin
+        with pytest.MonkeyPatch.context() as mp:
+            for name, value in e.user_env("admin").items():
+                mp.setenv(name, value)
+            assert cli_main(["--redis-url", srv.url, "functions", "load"]) == 0
         s = e.settings("producer-pa", prefix="pa", partitions=3)
         with Client(settings=s) as c:
             ids = [c.submit("x", max_tokens=2) for _ in range(3)]
             assert {c.keys_of(i).partition for i in ids} == {0, 1, 2}
             assert all(c.status(i).status == "queued" for i in ids)
+            # the worker user moves and reads partition 1's queue
+            w, jobs1 = e.raw("worker"), Keys("pa", 1).jobs(MODEL, "interactive")
+            assert move(w, Keys("pa", 1), MODEL) == 1 and w.xlen(jobs1) == 1
+            assert w.xreadgroup(GROUP, "w", {jobs1: ">"}, count=1)
             assert all(c.cancel(i) for i in ids)
             assert all(c.result(i, timeout=10).status == "cancelled" for i in ids)
-        w, jobs1 = e.raw("worker"), Keys("pa", 1).jobs(MODEL, "interactive")
-        assert w.xlen(jobs1) == 1 and w.xreadgroup(GROUP, "w", {jobs1: ">"}, count=1)
         other, p1 = e.raw("producer-pa.p1"), Keys("pa", 1)
         for key in (p1.job(ids[1]), p1.out(ids[1])):
             noperm(other.exists, key)

@@ -18,6 +18,7 @@ from pagedq.cli import build_parser, main, version
 from pagedq.producer import Client
 from pagedq.wire.keys import out_entry_id
 from pagedq.wire.schema import final_fields
+from tests.queue_helpers import inbox
 from tests.test_producer import DELTAS, bg, play, write_final
 from tests.worker_proc import ROOT
 
@@ -50,8 +51,8 @@ def test_submit_status_result(c, capsys):
                        "--temperature", "0", "--top-p", "0.9", "--top-k", "5", "--seed", "3",
                        "--stop", "\n", "--stop", "END", "Hello there")
     jid = out.strip()
-    assert code == 0 and c.redis.xlen(c.keys.jobs(MODEL)) == 1
-    (_, fields), = c.redis.xrange(c.keys.jobs(MODEL))
+    assert code == 0 and len(inbox(c.redis, c.keys, MODEL)) == 1
+    (fields,) = inbox(c.redis, c.keys, MODEL)
     body = json.loads(fields["body"])
     assert body["id"] == jid and body["prompt"] == "Hello there" and body["stop"] == ["\n", "END"]
     assert (body["max_tokens"], body["top_k"], body["seed"], body["top_p"]) == (7, 5, 3, 0.9)
@@ -68,7 +69,7 @@ def test_submit_chat_and_idempotent_id(c, capsys):
     assert cli(c, capsys, "submit", "--model", MODEL, "--chat", "--id", "j1", "Hi")[:2] == (0, "j1\n")
     code, _, err = cli(c, capsys, "submit", "--model", MODEL, "--id", "j1", "Other")
     assert code == 5 and "different request body" in err
-    (_, fields), = c.redis.xrange(c.keys.jobs(MODEL))
+    (fields,) = inbox(c.redis, c.keys, MODEL)
     assert json.loads(fields["body"])["messages"] == [{"role": "user", "content": "Hi"}]
 
 
@@ -215,7 +216,7 @@ def test_root_options_before_or_after_the_subcommand(c, capsys, where):
     code = main(argv)
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert c.redis.xlen(c.keys.jobs(MODEL)) == 1 and out.strip()
+    assert len(inbox(c.redis, c.keys, MODEL)) == 1 and out.strip()
 
 
 @pytest.mark.parametrize("cmd", ["status", "result", "cancel"])
@@ -281,7 +282,8 @@ def options_without_default(parser: argparse.ArgumentParser) -> list[str]:
 def test_every_option_help_states_its_default():
     p = build_parser()
     # 4 job commands, watch, batch and its 7 subcommands, acl, inspect, dlq and its 2
-    # subcommands; worker, config, demo, serve, gateway and its key, key add/list/revoke (the
-    # one root parser holds every command: pagedq/cli.py)
-    assert len(list(parsers(p))) == 19 + 9
+    # subcommands, functions and its 2 (load, show); worker, config, demo, serve, gateway
+    # and its key, key add/list/revoke (the one root parser holds every command:
+    # pagedq/cli.py)
+    assert len(list(parsers(p))) == 19 + 3 + 9
     assert options_without_default(p) == []

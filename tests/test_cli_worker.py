@@ -127,7 +127,7 @@ def test_pagedq_submit_options_in_either_position(shared_redis_server, capsys, b
         ["submit", "--model", "m1", "x", *opts]
     assert main(argv) == 0, capsys.readouterr().err
     with Client(shared_redis_server.url, prefix=prefix, model="m1") as c:
-        assert c.redis.xlen(c.keys.jobs("m1")) == 1
+        assert c.redis.llen(c.keys.inbox("m1")) == 1
 
 
 def test_pagedq_result_exit_codes_through_the_pagedq_entry(shared_redis_server, capsys):
@@ -162,7 +162,8 @@ def test_every_option_help_states_its_default():
                                             "watch")),
         *(f"pagedq batch {c}" for c in ("submit", "status", "results", "cancel", "retry", "list",
                                         "worker")),
-        *(f"pagedq {c}" for c in ("inspect", "dlq", "dlq list", "dlq requeue")),
+        *(f"pagedq {c}" for c in ("inspect", "dlq", "dlq list", "dlq requeue",
+                                      "functions", "functions load", "functions show")),
         *(f"pagedq gateway{c}" for c in ("", " key", " key add", " key list", " key revoke"))}
     assert options_without_default(p) == []
 

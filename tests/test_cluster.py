@@ -135,16 +135,18 @@ def test_one_partition_keys_are_the_original_scheme(redis_server):
     s = Settings(redis_url=redis_server.url, prefix="n1", model=MODEL)  # partitions=1
     req = JobRequest(id="k1", model=MODEL, prompt="hi", max_tokens=4)
     keys, _ = Submit(Keys("n1"), req, s).keys_args()
-    assert keys == ["{n1}:job:k1", "{n1}:jobs:tiny:interactive",
+    assert keys == ["{n1}:job:k1", "{n1}:inbox:tiny:interactive",
                     "{n1}:qtokens:tiny:interactive", "{n1}:out:k1",
-                    "{n1}:qjobs:tiny:interactive", "{n1}:serving:tiny", "{n1}:models"]
+                    "{n1}:qjobs:tiny:interactive", "{n1}:serving:tiny", "{n1}:models",
+                    "{n1}:wake:tiny"]
     with Client(settings=s) as c:
         gen = c.submit("hello", max_tokens=4)
         c.submit("hi", max_tokens=4, job_id="k1")
         assert len(gen) == 32 and int(gen, 16) >= 0  # a uuid4 hex, as always
         assert set(c.redis.scan_iter(count=1000)) == {
-            f"{{n1}}:job:{gen}", "{n1}:job:k1", "{n1}:jobs:tiny:interactive",
-            "{n1}:qtokens:tiny:interactive", "{n1}:qjobs:tiny:interactive", "{n1}:models"}
+            f"{{n1}}:job:{gen}", "{n1}:job:k1", "{n1}:inbox:tiny:interactive",
+            "{n1}:qtokens:tiny:interactive", "{n1}:qjobs:tiny:interactive", "{n1}:models",
+            "{n1}:wake:tiny"}
 
 
 def test_partition_of_a_job_id():

@@ -4,9 +4,9 @@
 * Nothing in the repository points outside it (the design notes live in docs/).
 * The Lua scripts reproduced in docs/protocol.md are the code's.
 * The doc's redis-cli session runs, as written, against a real worker.
-* A client written from docs/protocol.md alone (raw redis-py commands, the Lua text taken
-  from the doc, no import from producer/ or worker/) submits, streams, resumes, cancels
-  and reads results from a real worker.
+* A client written from docs/protocol.md alone (raw redis-py commands, the documented
+  function names on Redis >= 7, no import from producer/ or worker/) submits, streams,
+  resumes, cancels and reads results from a real worker.
 """
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def service():
 
 
 def test_redis_cli_session_of_the_protocol_doc_runs(service, tmp_path):
-    missing = [t for t in ("redis-cli", "sha256sum", "awk", "bash") if not shutil.which(t)]
+    missing = [t for t in ("redis-cli", "sha1sum", "bash") if not shutil.which(t)]
     if missing:
         pytest.skip(f"the doc's redis-cli session needs {', '.join(missing)} on PATH")
     block = session_block(doc_text())
@@ -216,7 +216,7 @@ def test_redis_cli_session_of_the_protocol_doc_runs(service, tmp_path):
                          text=True, timeout=300, env={**os.environ, "PORT": str(service.port)})
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0] == "queued", res.stdout  # the EVAL's reply (raw: one value per line)
+    assert lines[0] == "queued", res.stdout  # the FCALL's reply (raw: one value per line)
     r = redis.Redis(port=service.port, decode_responses=True)
     job = r.hgetall(f"{{{PREFIX}}}:job:{job_id}")
     events = [f for _id, f in r.xrange(f"{{{PREFIX}}}:out:{job_id}")]
@@ -230,13 +230,12 @@ def test_redis_cli_session_of_the_protocol_doc_runs(service, tmp_path):
 
 
 class DocClient:
-    """A client written from docs/protocol.md alone: raw commands, the doc's Lua text."""
+    """A client written from docs/protocol.md alone: raw commands, FCALL of the functions
+    the doc names (the test's Redis is >= 7: the worker loaded them)."""
 
     def __init__(self, port: int, prefix: str = PREFIX) -> None:
         self.port, self.base = port, "{" + prefix + "}"
         self.r = redis.Redis(port=port, decode_responses=True)
-        scripts = lua_blocks(doc_text())
-        self.submit_lua, self.cancel_lua = scripts["SUBMIT_LUA"], scripts["CANCEL_LUA"]
 
     def key(self, kind: str, name: str = "") -> str:
         return f"{self.base}:{kind}:{name}" if name else f"{self.base}:{kind}"
@@ -246,18 +245,19 @@ class DocClient:
         body = json.dumps({"id": job_id, "model": model, "prompt": prompt, **params})
         max_tokens = params.get("max_tokens", 128)
         ml = f"{model}:{lane}"
-        keys = [self.key("job", job_id), self.key("jobs", ml), self.key("qtokens", ml),
+        keys = [self.key("job", job_id), self.key("inbox", ml), self.key("qtokens", ml),
                 self.key("out", job_id), self.key("qjobs", ml), self.key("serving", model),
-                self.key("models")]
-        argv = [job_id, body, hashlib.sha256(body.encode()).hexdigest(), model,
+                self.key("models"), self.key("wake", model)]
+        argv = [job_id, body, hashlib.sha1(body.encode()).hexdigest(), model,
                 len(prompt) // 4 + max_tokens, "", 0, 0, "workers", 1,
                 1 if require_worker else 0, lane]
-        return self.r.eval(self.submit_lua, len(keys), *keys, *argv)
+        return self.r.fcall("pagedq_submit", len(keys), *keys, *argv)
 
     def cancel(self, job_id: str) -> str:
-        return self.r.eval(self.cancel_lua, 3, self.key("job", job_id), self.key("out", job_id),
-                           self.key("cancel"), job_id, 86400, self.key("chan", job_id),
-                           self.base + ":qtokens:", self.base + ":qjobs:")
+        return self.r.fcall("pagedq_cancel", 3, self.key("job", job_id),
+                            self.key("out", job_id), self.key("cancel"), job_id, 86400,
+                            self.key("chan", job_id), self.base + ":qtokens:",
+                            self.base + ":qjobs:")
 
     def read(self, job_id: str, k: int, count: int, block_ms: int = 5000,
              conn: redis.Redis | None = None) -> list[tuple[str, dict[str, str]]]:
@@ -357,6 +357,17 @@ def test_client_from_the_doc_cancels_a_queued_job_and_is_refused_without_a_worke
     other_body = c.submit(job, "Hello here.", model="nobody", max_tokens=8,
                           require_worker=False)
     assert other_body == ["conflict", ""]
+    # CANCEL checks its arguments: no TTL, or counters of another key space, change nothing
+    good = [c.key("job", job), c.key("out", job), c.key("cancel"), job, 86400,
+            c.key("chan", job), c.base + ":qtokens:", c.base + ":qjobs:"]
+    for i, bad_value in ((4, 0), (4, "1.5"), (6, "{other}:qtokens:"), (7, "{other}:qjobs:"),
+                         (3, "another-job"), (5, c.key("chan", "another-job"))):
+        args = list(good)
+        args[i] = bad_value
+        with pytest.raises(redis.ResponseError, match="pagedq CANCEL"):
+            c.r.fcall("pagedq_cancel", 3, *args)
+    assert c.r.hget(c.key("job", job), "status") == "queued"
+    assert c.r.get(c.key("qjobs", "nobody:interactive")) == "1" and c.r.ttl(c.key("job", job)) < 0
     assert c.cancel(job) == "cancelled"
     events = [f for _id, f in c.r.xrange(c.key("out", job))]
     assert events == [{"t": "final", "i": "0", "status": "cancelled", "fr": "cancelled",

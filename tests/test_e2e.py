@@ -126,14 +126,14 @@ def test_malformed_raw_entries_are_failed_and_worker_keeps_serving(service):
 
 def test_bad_input_is_refused_at_submit_and_nothing_enqueued(service):
     client, _w = service
-    stream = client.keys.jobs("smollm2")
-    before = client.redis.xlen(stream)
+    stream, inbox = client.keys.jobs("smollm2"), client.keys.inbox("smollm2")
+    before = client.redis.xlen(stream) + client.redis.llen(inbox)
     bad = [dict(prompt=""), dict(prompt="hi", max_tokens=-1), dict(prompt="hi", max_tokens=10**7),
            dict(prompt="hi", temperature=-0.5), dict(prompt="hi", bogus_field=1)]
     for kw in bad:
         with pytest.raises(InvalidRequest):
             client.submit(**kw)
-    assert client.redis.xlen(stream) == before
+    assert client.redis.xlen(stream) + client.redis.llen(inbox) == before
 
 
 

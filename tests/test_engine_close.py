@@ -213,3 +213,29 @@ def test_a_failed_constructor_holds_no_tensor_even_while_its_exception_lives(tin
         assert live_tensors() == base
     finally:
         gc.enable()
+
+
+def lifetime_in_a_fresh_process(device: str, model: str, engines: int, **config) -> list:
+    """tests/engine_lifetime_child.py's lines (one per engine, then the garbage found)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.worker_proc import ROOT
+
+    res = subprocess.run([sys.executable, "-m", "tests.engine_lifetime_child", device, model,
+                          str(engines), json.dumps(config)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert res.returncode == 0, res.stdout + res.stderr
+    return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+
+
+def test_the_first_engine_of_a_process_goes_by_del_alone_with_the_collector_off(tiny):
+    """In a process whose collector is off from its first line, the first engine (which
+    meets every first-use cost: imports, caches, compiled kernels on a GPU) and the next
+    ones go the moment ``del`` drops them, and nothing of pagedq waits for a collection.
+    (The GPU run of the same child: tests/test_gpu_engine.py.)"""
+    lines = lifetime_in_a_fresh_process("cpu", tiny, 3, dtype="float32", block_size=16,
+                                        kv_cache_memory_gb=KV_BYTES / 2**30)
+    assert [x["alive"] for x in lines[:-1]] == [[], [], []], lines
+    assert lines[-1] == {"garbage": []}, lines

@@ -81,7 +81,7 @@ def test_unserved_model_jobs_expire_and_require_worker_refuses(svc):
     try:
         with pytest.raises(NoWorker):
             nobody.submit("x", max_tokens=2, require_worker=True)
-        assert not nobody.redis.exists(nobody.keys.jobs("nobody"))
+        assert not nobody.redis.exists(nobody.keys.jobs("nobody"), nobody.keys.inbox("nobody"))
         job = nobody.submit("x", max_tokens=2)
         rec = nobody.result(job, timeout=60)
         assert rec.status == "expired" and rec.finish_reason == "no_worker", rec
@@ -90,6 +90,7 @@ def test_unserved_model_jobs_expire_and_require_worker_refuses(svc):
         snap = queue_counters(nobody.redis, nobody.keys, "nobody")
         assert snap.ok and snap.queued_jobs == 0 and snap.queued_tokens == 0
         assert nobody.redis.xlen(nobody.keys.jobs("nobody")) == 0
+        assert nobody.redis.llen(nobody.keys.inbox("nobody")) == 0  # taken off the queue
     finally:
         nobody.close()
     ok = c.submit("x", max_tokens=2, require_worker=True)

@@ -32,10 +32,12 @@ import yaml
 from pagedq.admin import acl
 from pagedq.cli import build_parser
 from pagedq.producer import Client
+from pagedq.wire import script
 from pagedq.wire.keys import GROUP, Keys
 from pagedq.wire.settings import Settings
 from pagedq.worker.cli import check_config
 from pagedq.worker.redis_server import free_port
+from tests.queue_helpers import move
 from tests.test_compose import dashboard, promql_metrics, redis7
 from tests.waiting import until
 
@@ -49,6 +51,11 @@ KEDA_REDIS_STREAMS_KEYS = {
     "usernameFromEnv", "passwordFromEnv", "stream", "consumerGroup", "pendingEntriesCount",
     "streamLength", "lagCount", "activationLagCount", "databaseIndex", "enableTLS",
     "unsafeSsl"}
+# KEDA's Redis Lists scaler (type redis): the inboxes' length
+KEDA_REDIS_LISTS_KEYS = {
+    "address", "addressFromEnv", "host", "hostFromEnv", "port", "portFromEnv", "username",
+    "usernameFromEnv", "passwordFromEnv", "listName", "listLength", "activationListLength",
+    "databaseIndex", "enableTLS", "unsafeSsl"}
 KUBECTL = shutil.which("kubectl")
 needs_kustomize = pytest.mark.skipif(KUBECTL is None, reason="kubectl (kustomize) not installed")
 
@@ -155,11 +162,16 @@ def check_crd_object(d: dict) -> None:
         assert spec["scaleTargetRef"]["name"] and spec["triggers"]
         assert 0 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
         for t in spec["triggers"]:
-            assert t["type"] == "redis-streams" and set(t) <= {"type", "name", "metadata",
-                                                               "authenticationRef"}
+            assert t["type"] in ("redis-streams", "redis") and set(t) <= {
+                "type", "name", "metadata", "authenticationRef"}
             md = t["metadata"]
-            assert set(md) <= KEDA_REDIS_STREAMS_KEYS, set(md) - KEDA_REDIS_STREAMS_KEYS
+            allowed = KEDA_REDIS_STREAMS_KEYS if t["type"] == "redis-streams" else \
+                KEDA_REDIS_LISTS_KEYS
+            assert set(md) <= allowed, set(md) - allowed
             assert all(isinstance(v, str) for v in md.values()), md  # KEDA takes strings
+            if t["type"] == "redis":
+                assert {"listName", "listLength"} <= set(md), md
+                continue
             # KEDA's mode: a consumerGroup makes it lag (lagCount) or pending entries;
             # without one, the stream's length: streamLength with a group would be ignored
             if "streamLength" in md:
@@ -241,12 +253,18 @@ def test_scaled_objects_name_what_the_workers_serve(renders, monkeypatch, tmp_pa
             env = pod_env(docs, container(dep, "worker"))
             for t in so["spec"]["triggers"]:
                 md = t["metadata"]
-                assert md["stream"] == Keys(s.prefix).jobs(s.model, lane), (name, md)
+                if t["type"] == "redis":  # KEDA's Redis Lists scaler: the lane's inbox
+                    assert md["listName"] == Keys(s.prefix).inbox(s.model, lane), (name, md)
+                else:
+                    assert md["stream"] == Keys(s.prefix).jobs(s.model, lane), (name, md)
                 assert md.get("consumerGroup", GROUP) == GROUP
                 assert t["authenticationRef"]["name"] == auth["metadata"]["name"]
                 check_address(docs, env[md["addressFromEnv"]], s.redis_url)
                 if "streamLength" in md:  # jobs per worker: its seats
                     assert int(md["streamLength"]) == cfg.worker.max_num_seqs, name
+            # scaled from zero on the inbox: no worker moves its jobs into the stream then
+            assert so["spec"]["minReplicaCount"] or any(
+                t["type"] == "redis" for t in so["spec"]["triggers"]), name
             floor = so["spec"]["minReplicaCount"]
             assert floor == (0 if lane == "batch" else 1), (name, so["metadata"]["name"])
         assert lanes_seen == {"interactive", "batch"}, name
@@ -443,7 +461,9 @@ def test_redis_with_the_generated_acl_serves_every_user_and_keda_reads_the_queue
         for dep in ("pagedq-worker-interactive", "pagedq-gateway", "pagedq-batch-worker"):
             d = one(docs, "Deployment", dep)
             assert conn(password_key(d, container(d))).ping(), dep
-        # a producer queues jobs on both lanes; no worker runs
+        # a producer queues jobs on both lanes; no worker runs (pagedq's functions loaded
+        # as a worker does at its start)
+        script.load_library(conn("worker"))
         s = Settings(redis_url=f"redis://127.0.0.1:{port}/0", prefix="pagedq", model="smollm2",
                      redis_username="producer-pagedq", redis_password=pw("producer-pagedq"))
         with Client(settings=s) as cl:
@@ -453,16 +473,25 @@ def test_redis_with_the_generated_acl_serves_every_user_and_keda_reads_the_queue
                 cl.submit("bulk", max_tokens=4, lane="batch")
         scaler = conn("scaler")
         want = {"interactive": 3, "batch": 2}
-        for so in find(docs, "ScaledObject"):
-            for t in so["spec"]["triggers"]:  # what KEDA's scaler sends, as its user
-                md = t["metadata"]
-                n = want[md["stream"].rsplit(":", 1)[1]]
-                assert scaler.xlen(md["stream"]) == n
-                if "consumerGroup" in md:
-                    (g,) = [g for g in scaler.xinfo_groups(md["stream"])
-                            if g["name"] == md["consumerGroup"]]
-                    assert g["lag"] == n and g["pending"] == 0
-                    assert scaler.xpending(md["stream"], md["consumerGroup"])["pending"] == 0
+        # what KEDA's scalers send, as their user: the jobs wait in the inboxes (LLEN) until
+        # a worker's read moves them into the streams (XLEN, the group's lag)
+        for moved in (False, True):
+            for so in find(docs, "ScaledObject"):
+                for t in so["spec"]["triggers"]:
+                    md = t["metadata"]
+                    key = md.get("listName") or md["stream"]
+                    n = want[key.rsplit(":", 1)[1]]
+                    if t["type"] == "redis":
+                        assert scaler.llen(key) == (0 if moved else n)
+                        continue
+                    assert scaler.xlen(key) == (n if moved else 0)
+                    if "consumerGroup" in md and moved:
+                        (g,) = [g for g in scaler.xinfo_groups(key)
+                                if g["name"] == md["consumerGroup"]]
+                        assert g["lag"] == n and g["pending"] == 0
+                        assert scaler.xpending(key, md["consumerGroup"])["pending"] == 0
+            for lane in want:  # a worker's read, as the worker user
+                move(conn("worker"), Keys("pagedq"), "smollm2", lane)
         stream = Keys("pagedq").jobs("smollm2", "interactive")
         for denied in (lambda: scaler.xrange(stream), lambda: scaler.get("x"),
                        lambda: scaler.xreadgroup(GROUP, "c", {stream: ">"})):

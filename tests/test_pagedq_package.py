@@ -14,6 +14,7 @@ import pytest
 import pagedq
 from pagedq.producer import AsyncClient, Client, JobRequest
 from pagedq.producer.submit_params import SUBMIT_FIELDS
+from tests.queue_helpers import inbox
 
 ROOT = Path(__file__).resolve().parent.parent
 # JobRequest fields submit() names differently or not at all: the schema version, and the
@@ -74,7 +75,7 @@ def test_submit_keywords_reach_the_request(redis_server):
                        min_tokens=1, n=2, lane="batch", max_tokens=4, presence_penalty=0.5,
                        frequency_penalty=0.25, top_k=3, top_p=0.9, temperature=0.7, seed=1,
                        stop="\n", timeout_s=60)
-        (_id, entry), = c.redis.xrange(c.keys.jobs("m", "batch"))
+        (entry,) = inbox(c.redis, c.keys, "m", "batch")
     req = JobRequest.model_validate_json(entry["body"])
     assert req.id == job and req.prompt == "hi"
     assert (req.min_p, req.logprobs, req.priority, req.metadata) == (0.05, 2, 7, {"team": "a"})
@@ -87,7 +88,7 @@ def test_submit_keywords_reach_the_request(redis_server):
     with pagedq.Client(redis_server.url, prefix="pkg", model="m") as c:
         c.submit(messages=[{"role": "user", "content": "hi"}], tools=[tool], tool_choice="auto",
                  parallel_tool_calls=False, guided={"json_object": True}, logit_bias={7: -1})
-        (_id, entry), = c.redis.xrange(c.keys.jobs("m", "interactive"))
+        (entry,) = inbox(c.redis, c.keys, "m", "interactive")
     req = JobRequest.model_validate_json(entry["body"])
     assert req.tools[0].model_dump(exclude_none=True) == tool and req.tool_choice == "auto"
     assert (req.parallel_tool_calls, req.guided.kind, req.logit_bias) == \

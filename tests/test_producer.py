@@ -3,6 +3,7 @@ writes events at their explicit ids with schema.token_fields/final_fields."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import threading
 import time
@@ -26,6 +27,7 @@ from pagedq.producer import (
 )
 from pagedq.wire.keys import GROUP, out_entry_id
 from pagedq.wire.schema import final_fields, token_fields
+from tests.queue_helpers import inbox, move
 
 MODEL = "m1"
 
@@ -87,18 +89,24 @@ DELTAS = [f"w{i} " for i in range(12)]
 
 # ---------------------------------------------------------------- submit
 
-def test_submit_writes_hash_entry_group_and_counter(c):
+def test_submit_writes_hash_inbox_item_wake_and_counter(c):
     jid = c.submit("hello world!", max_tokens=10, timeout_s=60, stop="\n")
     h = c.redis.hgetall(c.keys.job(jid))
     assert h["status"] == "queued" and h["model"] == MODEL and h["attempt"] == "0"
-    assert h["qtok"] == str(12 // 4 + 10)
+    assert h["qtok"] == str(12 // 4 + 10) and "entry" not in h
     assert float(h["deadline"]) == pytest.approx(float(h["created_at"]) + 60, abs=1e-3)
-    (eid, fields), = c.redis.xrange(c.keys.jobs(MODEL))
-    assert h["entry"] == eid and fields["job"] == jid and fields["v"] == "1"
+    (fields,) = inbox(c.redis, c.keys, MODEL)  # the jobs stream is the workers' alone
+    assert fields["job"] == jid and fields["v"] == "1" and not c.redis.exists(c.keys.jobs(MODEL))
     req = JobRequest.model_validate_json(fields["body"])
     assert req.id == jid and req.stop == ["\n"] and req.max_tokens == 10
-    assert [g["name"] for g in c.redis.xinfo_groups(c.keys.jobs(MODEL))] == [GROUP]
+    assert h["req_hash"] == hashlib.sha1(fields["body"].encode()).hexdigest()
+    assert c.redis.lrange(c.keys.wake(MODEL), 0, -1) == ["1"]  # the idle workers' doorbell
     assert c.redis.get(c.keys.queued_tokens(MODEL)) == "13"
+    # a worker's MOVE puts it on the stream, with its group, and records the entry id
+    assert move(c.redis, c.keys, MODEL) == 1 and not c.redis.exists(c.keys.inbox(MODEL))
+    (eid, entry), = c.redis.xrange(c.keys.jobs(MODEL))
+    assert entry == fields and c.redis.hget(c.keys.job(jid), "entry") == eid
+    assert [g["name"] for g in c.redis.xinfo_groups(c.keys.jobs(MODEL))] == [GROUP]
     assert c.status(jid).status == "queued" and c.status(jid).created_at > 1e9
 
 
@@ -112,7 +120,6 @@ def test_submit_writes_hash_entry_group_and_counter(c):
 def test_invalid_submit_enqueues_nothing(c, args, kw):
     with pytest.raises(InvalidRequest, match="invalid"):
         c.submit(*args, **kw)
-    assert c.redis.xlen(c.keys.jobs(MODEL)) == 0
     assert list(c.redis.scan_iter(c.keys.base + "*")) == []
 
 
@@ -123,7 +130,7 @@ def test_idempotent_resubmit_and_conflict(c):
                                        max_tokens=4)) == "job-1"
     with pytest.raises(JobConflict):
         c.submit("different", job_id="job-1", max_tokens=4)
-    assert c.redis.xlen(c.keys.jobs(MODEL)) == 1
+    assert len(inbox(c.redis, c.keys, MODEL)) == 1
 
 
 def test_caps_refuse_and_enqueue_nothing(url):
@@ -131,7 +138,8 @@ def test_caps_refuse_and_enqueue_nothing(url):
         c.submit("a"), c.submit("b")
         with pytest.raises(Overloaded, match="max_queued_jobs=2"):
             c.submit("c", job_id="refused")
-        assert c.redis.xlen(c.keys.jobs(MODEL)) == 2 and not c.redis.exists(c.keys.job("refused"))
+        assert len(inbox(c.redis, c.keys, MODEL)) == 2
+        assert not c.redis.exists(c.keys.job("refused"))
     with make_client(url, max_queued_tokens=100) as c:
         first = c.submit("x" * 40, max_tokens=50)  # 60
         with pytest.raises(Overloaded, match="max_queued_tokens=100"):
@@ -141,7 +149,7 @@ def test_caps_refuse_and_enqueue_nothing(url):
         assert c.redis.get(c.keys.queued_tokens(MODEL)) == "0"
         assert c.redis.hget(c.keys.job(first), "qtok") == "0"
         c.submit("y" * 400, max_tokens=50)  # bigger than the cap, but the queue is empty
-        assert c.redis.xlen(c.keys.jobs(MODEL)) == 2
+        assert len(inbox(c.redis, c.keys, MODEL)) == 2  # (the cancelled job's item is there)
 
 
 def test_concurrent_submits_from_threads(c):
@@ -156,15 +164,15 @@ def test_concurrent_submits_from_threads(c):
     for t in [bg(work) for _ in range(8)]:
         t.join()
     assert len(set(ids)) == 80
-    entries = c.redis.xrange(c.keys.jobs(MODEL))
-    assert sorted(f["job"] for _, f in entries) == sorted(ids)
+    entries = inbox(c.redis, c.keys, MODEL)
+    assert sorted(f["job"] for f in entries) == sorted(ids)
 
 
 def test_submit_many(c):
     reqs = [JobRequest(prompt=f"p{i}", max_tokens=4) for i in range(5)]
     ids = c.submit_many(reqs + [{"prompt": "dict", "id": "fixed"}])
     assert len(set(ids)) == 6 and ids[-1] == "fixed"
-    assert c.redis.xlen(c.keys.jobs(MODEL)) == 6
+    assert len(inbox(c.redis, c.keys, MODEL)) == 6
     assert c.status(ids[0]).model == MODEL  # the client's model when the request names none
     with pytest.raises(InvalidRequest):
         c.submit_many([{"prompt": "ok", "id": "x1"}, {"prompt": ""}])
@@ -313,7 +321,7 @@ def test_async_client(url):
             sync = Client(url, prefix=a.keys.prefix, model=MODEL)
             with pytest.raises(InvalidRequest):
                 await a.submit("  ")
-            assert await a.redis.xlen(a.keys.jobs(MODEL)) == 0
+            assert await a.redis.llen(a.keys.inbox(MODEL)) == 0
             jid = await a.submit("go", job_id="aj", max_tokens=5)
             assert await a.submit("go", job_id="aj", max_tokens=5) == "aj"
             with pytest.raises(JobConflict):

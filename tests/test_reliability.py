@@ -19,6 +19,7 @@ from pagedq.wire.keys import GROUP
 from pagedq.wire.schema import FinalEvent
 from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
+from tests.queue_helpers import move, queued
 from tests.tiny_service import MODEL
 from tests.worker_proc import WorkerProc
 
@@ -68,6 +69,7 @@ def test_ack_lost_after_result_written_gives_no_second_result(svc):
     c = svc.client()
     r = c.redis
     job = gen(c, max_tokens=5)
+    assert move(r, c.keys, MODEL) == 1
     r.xreadgroup(GROUP, "ghost", {c.keys.jobs(MODEL): ">"}, count=1)  # a worker took it...
     r.hincrby(c.keys.job(job), "attempt", 1)
     r.hset(c.keys.job(job), "status", "running")
@@ -181,13 +183,15 @@ def test_oversized_and_malformed_raw_entries(svc):
     c.redis.xadd(s, {"job": "huge", "body": '{"prompt": "' + "x" * 1_100_000 + '"}'})
     c.redis.xadd(s, {"job": "arr", "body": "[1, 2]"})
     c.redis.xadd(s, {"job": "bad id!", "body": '{"prompt": "hi"}'})
+    c.redis.xadd(s, {"job": "v2", "body": '{"prompt": "hi", "max_tokens": 2}', "v": "2"})
     ok = gen(c, max_tokens=3)
     assert c.result(ok, timeout=60).status == "finished"
-    for j in ("huge", "arr"):
+    for j in ("huge", "arr", "v2"):
         rec = c.result(j, timeout=30)
         assert rec.status == "failed", rec
     assert "1000000" in c.status("huge").error or "longer" in c.status("huge").error
-    assert len(c.redis.xrange(c.keys.dlq(MODEL))) == 3
+    assert c.status("v2").error.startswith("unknown schema version '2'")
+    assert len(c.redis.xrange(c.keys.dlq(MODEL))) == 4
     assert c.redis.xpending(s, GROUP)["pending"] == 0
 
 
@@ -197,7 +201,7 @@ def test_flood_beyond_caps_is_refused_with_overloaded(svc):
         gen(c, f"{i}")
     with pytest.raises(Overloaded):
         gen(c, "one too many")
-    assert c.redis.xlen(c.keys.jobs(MODEL)) == 5
+    assert len(queued(c.redis, c.keys, MODEL)) == 5
     svc.worker()
     c2 = svc.client(max_queued_jobs=5)
     deadline = time.time() + 60
@@ -293,13 +297,15 @@ def test_idempotent_resubmission_runs_once(svc):
 
 
 def test_script_cache_flushed_under_a_running_worker(svc):
-    """Scripts run by EVALSHA; after SCRIPT FLUSH (what a Redis restart without the cache
-    amounts to) the worker reloads them: jobs running and jobs arriving all finish once."""
+    """Scripts run as functions (Redis >= 7) or by EVALSHA (6.2); after FUNCTION FLUSH and
+    SCRIPT FLUSH (what a Redis restart without its data amounts to) the worker loads them
+    again: jobs running and jobs arriving all finish once."""
     svc.worker(env={"PAGEDQ_FAILPOINTS": "step_sleep_s=0.05"})
     c = svc.client()
     running = gen(c, max_tokens=30)
     wait_tokens(c, running, 2)
     c.redis.script_flush()  # PUBLISH / FINISH / REFRESH of the running job meet NOSCRIPT
+    c.redis.function_flush()  # ... or "Function not found"
     later = [gen(c, f"job {i}", max_tokens=5) for i in range(3)]  # START meets it too
     for job in [running, *later]:
         rec, _ = check_consistent(c, job)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pagedq.producer import Client
 from pagedq.wire.errors import InvalidRequest
 from pagedq.wire.invariants import queue_counters
-from pagedq.wire.keys import GROUP, LANE_RE
+from pagedq.wire.keys import GROUP, LANE_RE, Keys
 from pagedq.wire.lua import source
 from pagedq.wire.schema import FinalEvent, JobRequest, TokenEvent
 from pagedq.wire.scripts import Submit
@@ -55,7 +55,8 @@ def settle(c: Client, timeout: float = 120.0) -> None:
         while time.monotonic() < deadline:
             snap = queue_counters(c.redis, c.keys, MODEL, lane)
             pending = c.redis.xpending(stream, GROUP)["pending"]
-            if snap.queued_jobs == 0 and pending == 0 and c.redis.xlen(stream) == 0:
+            if snap.queued_jobs == 0 and pending == 0 and c.redis.xlen(stream) == 0 \
+                    and c.redis.llen(c.keys.inbox(MODEL, lane)) == 0:
                 break
             time.sleep(0.1)
         snap = queue_counters(c.redis, c.keys, MODEL, lane)
@@ -210,17 +211,21 @@ def test_random_valid_requests_end_to_end(svc, bodies):
 
 # ---- invalid input: raw entries and raw script calls ---------------------------------
 
+def submit_keys(k: Keys, job_id: str, model: str, lane: str) -> list[str]:
+    """SUBMIT's KEYS (docs/protocol.md)."""
+    return [k.job(job_id), k.inbox(model, lane), k.queued_tokens(model, lane), k.out(job_id),
+            k.queued_jobs(model, lane), k.serving(model), k.models, k.wake(model)]
+
+
 def raw_submit(c: Client, job_id: str, body: str | bytes, *, qtok="10", model=MODEL,
                timeout="", maxj="0", maxt="0", group=GROUP, version="1", lane="interactive",
-               keys=None, batch=()):
+               keys=None, batch=(), req_hash=None, require="0"):
     body_b = body.encode() if isinstance(body, str) else body
     kl = lane if LANE_RE.match(lane) else "interactive"  # keys of a lane that can exist
-    k = keys or [c.keys.job(job_id), c.keys.jobs(model, kl), c.keys.queued_tokens(model, kl),
-                 c.keys.out(job_id), c.keys.queued_jobs(model, kl), c.keys.serving(model),
-                 c.keys.models]
+    k = keys or submit_keys(c.keys, job_id, model, kl)
     return c.redis.eval(SUBMIT_LUA, len(k) + len(batch) - bool(batch), *k, *batch[:-1], job_id,
-                        body_b, hashlib.sha256(body_b).hexdigest(), model, qtok, timeout, maxj,
-                        maxt, group, version, "0", lane, *batch[-1:])
+                        body_b, req_hash or hashlib.sha1(body_b).hexdigest(), model, qtok,
+                        timeout, maxj, maxt, group, version, require, lane, *batch[-1:])
 
 
 def good_body(job_id: str, **kw) -> str:
@@ -257,6 +262,7 @@ BAD_ENTRIES = {  # XADDed directly, bypassing the script
     "job id not utf8": lambda j: {"job": b"\xc3\x28", "body": good_body(j)},
     "lone surrogate escape": lambda j: {"job": j, "body": good_body(j, prompt="\ud800")},
     "lane differs": lambda j: {"job": j, "body": good_body(j, lane="batch")},
+    "unknown schema version": lambda j: {"job": j, "body": good_body(j), "v": "2"},
 }
 BAD_SCRIPT_ARGS = {
     "qtok not a number": dict(qtok="abc"),
@@ -275,6 +281,12 @@ BAD_SCRIPT_ARGS = {
     "lane differs from keys": dict(lane="batch", keys_lane="interactive"),
     "batch keys of two batches": dict(batch=("{p}:batch:b1", "{p}:batchdone:b2", "item")),
     "batch without item": dict(batch=("{p}:batch:b1", "{p}:batchdone:b1", "")),
+    "req_hash not the body's": dict(req_hash="0" * 40),
+    "req_hash a SHA-256": dict(req_hash="0" * 64),
+    "timeout past a week": dict(timeout="604801"),
+    "require_worker not 0 or 1": dict(require="2"),
+    "keys of another prefix": dict(keys_prefix="other"),
+    "keys of another partition": dict(keys_prefix=1),
 }
 
 
@@ -303,22 +315,23 @@ def test_random_invalid_input_is_refused_or_dead_lettered(svc, data):
         kw = dict(BAD_SCRIPT_ARGS[name])
         body = kw.pop("body", good_body)(j)
         if "keys_lane" in kw:
-            kl = kw.pop("keys_lane")
-            kw["keys"] = [c.keys.job(j), c.keys.jobs(MODEL, kl), c.keys.queued_tokens(MODEL, kl),
-                          c.keys.out(j), c.keys.queued_jobs(MODEL, kl), c.keys.serving(MODEL),
-                          c.keys.models]
+            kw["keys"] = submit_keys(c.keys, j, MODEL, kw.pop("keys_lane"))
+        if "keys_prefix" in kw:  # every key but the job's of another key space
+            p = kw.pop("keys_prefix")
+            other = c.keys.part(p) if isinstance(p, int) else Keys(p)
+            kw["keys"] = submit_keys(c.keys, j, MODEL, "interactive")[:1] + submit_keys(
+                other, j, MODEL, "interactive")[1:]
         reply = raw_submit(c, j, body, **kw)
         assert reply[0] == "invalid" and reply[1], (name, reply)
         assert not c.redis.exists(c.keys.job(j))
     reply = raw_submit(c, bad_id_chars, good_body("x"))
     assert reply[0] == "invalid"
     j = f"ab-{tag}"
-    wrong_keys = [c.keys.job("other"), c.keys.jobs(MODEL), c.keys.queued_tokens(MODEL),
-                  c.keys.out(j), c.keys.queued_jobs(MODEL), c.keys.serving(MODEL), c.keys.models]
+    wrong_keys = [c.keys.job("other"), *submit_keys(c.keys, j, MODEL, "interactive")[1:]]
     assert raw_submit(c, j, good_body(j), keys=wrong_keys)[0] == "invalid"
     with redis.Redis.from_url(c.url) as raw:  # refused calls enqueued nothing
-        entries = raw.xrange(c.keys.jobs(MODEL))
-    assert not [f for _, f in entries if f.get(b"job", b"").startswith(b"ab-")]
+        entries = raw.xrange(c.keys.jobs(MODEL)) + raw.lrange(c.keys.inbox(MODEL), 0, -1)
+    assert not [e for e in entries if b"ab-" + tag.encode() in str(e).encode()]
     for j in good:
         assert c.result(j, timeout=120).status == "finished"
     for j in failed:
@@ -350,7 +363,7 @@ def test_jobs_of_a_batch_count_themselves_on_its_record_as_they_end(svc):
     keys, args = Submit(c.keys, JobRequest(id=bad, model=MODEL, prompt="Hi", lane="batch"),
                         c.settings, batch=(bid, bad)).keys_args()
     args[1] = good_body(bad, bogus=1, lane="batch")
-    args[2] = hashlib.sha256(args[1].encode()).hexdigest()
+    args[2] = hashlib.sha1(args[1].encode()).hexdigest()
     assert c.redis.eval(SUBMIT_LUA, len(keys), *keys, *args)[0] == "queued"
     orphan = f"{gone}.0"  # of a batch whose record is gone (expired): no stub is left
     keys, args = Submit(c.keys, JobRequest(id=orphan, model=MODEL, prompt="Hi", max_tokens=2,

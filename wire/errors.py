@@ -22,6 +22,12 @@ class Overloaded(PagedqError):
     """The queue is past its configured caps; retry later. Nothing was enqueued."""
 
 
+class StorageFull(Overloaded):
+    """Redis is full (past its ``maxmemory``, with ``noeviction``): the call was refused
+    before anything was written. Retry later; running jobs go on finishing (docs/
+    deployment.md "A full Redis")."""
+
+
 class ResultTimeout(PagedqError, TimeoutError):
     """The job did not reach a terminal state within the timeout."""
 

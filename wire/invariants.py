@@ -1,7 +1,7 @@
 """The queue counters' invariant, checked in one atomic snapshot.
 
-For each lane, ``{P}:qjobs:{model}:{lane}`` must equal the number of jobs in the lane's jobs
-stream whose record is ``queued`` and was counted (not ``raw``), and
+For each lane, ``{P}:qjobs:{model}:{lane}`` must equal the number of jobs in the lane's inbox
+and jobs stream whose record is ``queued`` and was counted (not ``raw``), and
 ``{P}:qtokens:{model}:{lane}`` the sum of their ``qtok``. Every path that moves a job out of ``queued`` (worker start, cancel, reject,
 expiry) keeps it; tests call ``queue_counters`` after every kind of traffic.
 """
@@ -19,7 +19,7 @@ from .script import ScriptCall
 class QueueCounters:
     queued_jobs: int  # the counter
     queued_tokens: int  # the counter
-    expected_jobs: int  # queued, counted jobs found in the stream
+    expected_jobs: int  # queued, counted jobs found in the inbox and the stream
     expected_tokens: int
 
     @property
@@ -40,7 +40,8 @@ class QueueSnapshot(ScriptCall):
     def keys_args(self) -> tuple[list[str], list[Any]]:
         k = self.keys
         return ([k.jobs(self.model, self.lane), k.queued_tokens(self.model, self.lane),
-                 k.queued_jobs(self.model, self.lane)], [k.base])
+                 k.queued_jobs(self.model, self.lane), k.inbox(self.model, self.lane)],
+                [k.base])
 
     def parse(self, reply: Any) -> QueueCounters:
         jobs, tokens, qjobs, qtokens = reply

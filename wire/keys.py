@@ -132,8 +132,25 @@ class Keys:
         return tuple(self.part(k) for k in range(partitions))
 
     def jobs(self, model: str, lane: str = DEFAULT_LANE) -> str:
-        """The jobs stream of one lane of a model."""
+        """The jobs stream of one lane of a model: written by workers only (MOVE)."""
         return f"{self.base}:jobs:{model}:{lane}"
+
+    def inbox(self, model: str, lane: str = DEFAULT_LANE) -> str:
+        """List: the jobs SUBMIT queued on a lane and no worker has yet moved into its jobs
+        stream, oldest first (one item each: ``<job id>\\n<version>\\n<body>``). Producers
+        may only append to it (RPUSH): they can neither read nor trim the queue."""
+        return f"{self.base}:inbox:{model}:{lane}"
+
+    def wake(self, model: str) -> str:
+        """List: one item per SUBMIT of the model (capped), popped by idle workers'
+        blocking read (BLPOP): a doorbell, no data."""
+        return f"{self.base}:wake:{model}"
+
+    @property
+    def vocab(self) -> str:
+        """Hash: model -> its vocabulary size, written by the workers serving it (the
+        gateway refuses token ids outside it)."""
+        return f"{self.base}:vocab"
 
     def dlq(self, model: str, lane: str = DEFAULT_LANE) -> str:
         return f"{self.base}:dlq:{model}:{lane}"

@@ -41,7 +41,10 @@ class Served(ScriptCall):
 
 
 def req_hash(body: str) -> str:
-    return hashlib.sha256(body.encode()).hexdigest()
+    """The request hash SUBMIT stores and checks: the hex SHA-1 of the body's bytes (what
+    the script itself computes, ``redis.sha1hex``: a Lua SHA-256 would stall Redis on a
+    megabyte body)."""
+    return hashlib.sha1(body.encode()).hexdigest()
 
 
 def queued_tokens_of(req: JobRequest) -> int:
@@ -99,8 +102,9 @@ class Submit(ScriptCall):
         lane = lane_of(req, settings)
         body = req.body_json()
         m = req.model
-        ks = [keys.job(req.id), keys.jobs(m, lane), keys.queued_tokens(m, lane),
-              keys.out(req.id), keys.queued_jobs(m, lane), keys.serving(m), keys.models]
+        ks = [keys.job(req.id), keys.inbox(m, lane), keys.queued_tokens(m, lane),
+              keys.out(req.id), keys.queued_jobs(m, lane), keys.serving(m), keys.models,
+              keys.wake(m)]
         args = [req.id, body, req_hash(body), m, str(queued_tokens_of(req)),
                 "" if req.timeout_s is None else str(float(req.timeout_s)),
                 str(settings.max_queued_jobs), str(settings.max_queued_tokens), GROUP,

@@ -1,4 +1,4 @@
-"""The worker's scripts (wire/lua/{start,publish,finish,reject,refresh,expire_unserved}.lua:
+"""The worker's scripts (wire/lua/{move,start,publish,finish,reject,refresh,expire_unserved}.lua:
 KEYS, ARGV and replies in each file's header) as calls: each script's arguments named and
 typed, its KEYS and ARGV built in one place (keys from wire/keys.py), its reply parsed.
 They run through pagedq.wire.script, queued on the worker's pipelines (a NOSCRIPT reply:
@@ -17,6 +17,26 @@ from .schema import FinishReason, Status
 from .script import ScriptCall
 
 NAMES = tuple(n for n, s in lua.SCRIPTS.items() if "worker" in s.roles)  # what a worker runs
+
+
+@dataclass(frozen=True, slots=True)
+class Move(ScriptCall):
+    """MOVE: up to ``count`` submitted jobs of a lane's inbox into its jobs stream ->
+    (entries added, whether the stream had to be made: it had vanished)."""
+
+    SCRIPT = "move"
+    keys: Keys
+    model: str
+    lane: str
+    count: int
+
+    def keys_args(self) -> tuple[list[str], list[Any]]:
+        k = self.keys
+        return ([k.inbox(self.model, self.lane), k.jobs(self.model, self.lane)],
+                [k.base, self.count, GROUP])
+
+    def parse(self, reply: Any) -> tuple[int, bool]:
+        return int(reply[0]), bool(int(reply[1]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +100,13 @@ class Started:
 
 class Verdict(StrEnum):
     """FINISH's reply: written (``ok``), already terminal under our attempt, just acked
-    (``dup``), not ours (``fenced``)."""
+    (``dup``), not ours (``fenced``), nothing written because the job's log lacks events
+    before the final's index (``behind``: its round failed in part; sent again)."""
 
     ok = "ok"
     dup = "dup"
     fenced = "fenced"
+    behind = "behind"
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +208,7 @@ class ExpireUnserved(ScriptCall):
         k = self.keys
         return ([k.jobs(self.model, self.lane), k.serving(self.model),
                  k.queued_tokens(self.model, self.lane), k.queued_jobs(self.model, self.lane),
-                 k.cancel],
+                 k.cancel, k.inbox(self.model, self.lane)],
                 [k.base, self.unserved_timeout_s, self.result_ttl_s, self.max_entries])
 
     def parse(self, reply: Any) -> int:

@@ -18,6 +18,11 @@ Liveness (/healthz) and readiness (/readyz) differ only while the worker starts 
 A draining worker stays live on purpose: an orchestrator that restarts unlive processes
 would otherwise kill it mid-drain and lose what the drain was for.
 
+Degraded: a serving worker whose writes Redis refuses for memory (a full Redis) keeps its
+jobs and retries (worker/publisher.py, worker/service.py); while any part of it reports so
+(``degrade``), /healthz answers 200 and /readyz 503, both with status ``degraded`` and the
+reason: a restart would not help, and no more work should be sent its way.
+
 Only plain attribute reads and writes cross threads here (the engine thread writes, the
 HTTP threads read): no lock, and a health request never waits on the engine.
 """
@@ -34,12 +39,24 @@ class Health:
         self.worker_id = worker_id
         self.phase = STARTING
         self.last_beat: float | None = None  # time.monotonic() of the loop's last iteration
+        self.degraded: dict[str, str] = {}  # part of the worker -> why (set from any thread)
 
     def beat(self) -> None:
         self.last_beat = time.monotonic()
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
+
+    def degrade(self, part: str, reason: str) -> bool:
+        """``part`` of the worker works, but not fully (``reason``); True if it was not
+        degraded yet."""
+        new = part not in self.degraded
+        self.degraded[part] = reason
+        return new
+
+    def recover(self, part: str) -> bool:
+        """``part`` works fully again; True if it was degraded."""
+        return self.degraded.pop(part, None) is not None
 
     def check(self, ready: bool = False) -> tuple[int, dict]:
         """(HTTP status, JSON body) of /readyz (``ready``) or /healthz."""
@@ -62,4 +79,7 @@ class Health:
         if self.phase == DRAINING and ready:
             return 503, {**body, "status": "draining",
                          "reason": "stopping: takes no new jobs, finishes running ones"}
+        if degraded := dict(self.degraded):
+            reason = "; ".join(sorted(set(degraded.values())))
+            return 503 if ready else 200, {**body, "status": "degraded", "reason": reason}
         return 200, {**body, "status": "ok"}

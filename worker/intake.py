@@ -7,18 +7,18 @@ engine thread.
 
 Invariant: a job enters ``jobs`` only after the START script made this worker its owner
 (attempt bumped, status running); anything that cannot run is dead-lettered and acked in
-one script (REJECT), so no entry is left pending by a live worker.
+one script (REJECT), so no entry is left pending by a live worker, but one whose START a
+full Redis refused (``Read.deferred``): it stays pending, and the worker reads its own
+pending entries again once Redis takes writes (``deferred``).
+
+New jobs wait in each lane's inbox (SUBMIT's): how they are moved into the jobs streams and
+read, idle or busy, on a single Redis or a cluster, is worker/reads.py.
 
 Key spaces: a worker may serve several key prefixes (tenants), each split into partitions
 (``ident.tenants``: every partition of every prefix); each key space has its own jobs
 stream per lane. Lanes keep their order across key spaces; one lane's room is shared among
 its key spaces' streams in fair shares (worker/tenants.py), and who goes first rotates.
 Every entry is handled with the keys of the key space whose stream it came from.
-
-No command names streams of two key spaces on a Redis Cluster (two slots): an idle
-worker there reads every key space without blocking (one pipeline), and only when all
-are empty blocks on one key space's lanes, for CLUSTER_IDLE_BLOCK_MS, the key space
-rotating, so a job in another partition waits that long at most.
 """
 from __future__ import annotations
 
@@ -48,12 +48,11 @@ from pagedq.worker.jobs import (
 from pagedq.worker.metrics import Metrics
 from pagedq.worker.pacing import StepPacer
 from pagedq.worker.publisher import Publisher
+from pagedq.worker.reads import NewEntries
 from pagedq.worker.recovery import reclaim
 
 DLQ_BODY_CHARS = 4096
 LOWER_LANE_POLL_S = 0.1  # a busy worker looks at an empty lower lane this often
-IDLE_BLOCK_MS = 500  # an idle worker's blocking read (one command over every stream)
-CLUSTER_IDLE_BLOCK_MS = 100  # on a cluster: one key space's block, between full sweeps
 # a busy worker admits at most this many new entries per poll (each costs the engine thread
 # a START round trip, parsing and engine.add_request: 0.6-0.7 ms on a dev machine's CPU): the
 # engine steps between polls, so a burst of jobs is prefilled while the rest of it is
@@ -69,6 +68,7 @@ class Read(StrEnum):
     running = "running"  # already this worker's: nothing to do
     parsed = "parsed"  # ``req``; START is next
     started = "started"  # START made this worker its owner (``started``)
+    deferred = "deferred"  # a full Redis refused START: left pending, read again later
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,6 +96,13 @@ class Intake:
         self.model, self.worker_id = ident.model, ident.worker_id
         self.engine, self.publisher, self.metrics, self.pacer = engine, publisher, metrics, pacer
         self.jobs, self.end_job, self.log = jobs, end_job, log
+        # entries of ours left pending because Redis refused their START for memory: the
+        # service reads its own pending entries again once Redis takes writes
+        self.deferred = False
+        self.starts = 0  # entries STARTed (Redis took the write), for the service's health
+        # ``on_stream_made(stream)``: set by the service (a stream that vanished, made again)
+        self.new = NewEntries(ident, lambda stream: self.on_stream_made(stream))
+        self.on_stream_made: Callable[[str], None] = lambda stream: None
         self.round_trips = 0  # Redis round trips of the engine thread (bench/service.py)
         self.read_round_trips = 0  # of the reader thread (busy reads), the only writer
         # A busy worker's reads, and the START of what they read, run here, one read at a
@@ -122,11 +129,21 @@ class Intake:
         self._rank = {stream: ident.lanes.index(lane) for stream, (_, lane) in
                       self._where.items()}
 
+    @property
+    def writes(self) -> int:
+        """MOVE rounds and STARTs Redis took so far: one more says it is not full."""
+        return self.starts + self.new.moves
+
     def has_backlog(self) -> bool:
-        for stream in self.ident.streams:
-            for g in self.r.xinfo_groups(stream):
-                if g["name"] == GROUP and (g.get("lag") or g.get("pending")):
+        for lane in self.ident.lanes:
+            for k in self.ident.tenants:
+                if self.r.llen(k.inbox(self.model, lane)):
                     return True
+                if not self.r.exists(stream := self.ident.stream(lane, k)):
+                    continue
+                for g in self.r.xinfo_groups(stream):
+                    if g["name"] == GROUP and (g.get("lag") or g.get("pending")):
+                        return True
         return False
 
     def _rooms(self) -> dict[str, int]:
@@ -178,10 +195,11 @@ class Intake:
         return tenants.rotated(self.ident.tenants, turn)
 
     def _own_pending(self, keys: Keys, lane: str, room: int) -> bool:
-        """Re-admit this worker's own pending entries of a tenant's lane; True when none
-        remain."""
+        """Re-admit this worker's own pending entries of a tenant's lane (those of jobs it
+        runs are read too, and left alone); True when none remain."""
         stream = self.ident.stream(lane, keys)
-        resp = self.r.xreadgroup(GROUP, self.worker_id, {stream: "0"}, count=room)
+        running = sum(j.keys == keys and j.lane == lane for j in self.jobs.values())
+        resp = self.r.xreadgroup(GROUP, self.worker_id, {stream: "0"}, count=room + running)
         entries = resp[0][1] if resp else []
         if entries:
             pend = self.r.xpending_range(stream, GROUP, min=entries[0][0], max=entries[-1][0],
@@ -189,12 +207,13 @@ class Intake:
             counts = {p["message_id"]: p["times_delivered"] for p in pend}
             for entry_id, fields in entries:
                 self._admit(keys, lane, entry_id, fields, counts.get(entry_id, 1))
-        return len(entries) < room
+        return len(entries) < room + running
 
     def _read_new(self, busy: bool) -> None:
-        """New entries. Idle: block on every stream with room at once (every lane of every
-        tenant), for one entry each (the next poll, not blocking, fills the rest lane by
-        lane). Busy: start the next read on the reader thread (``_submit_read``)."""
+        """New entries. Idle: move and read one entry of every stream with room (every lane
+        of every tenant) in one round trip; none: wait on the wake lists, then once more
+        (the next poll, not blocking, fills the rest lane by lane). Busy: start the next
+        read on the reader thread (``_submit_read``)."""
         if busy:
             if self._inflight is None:
                 self._submit_read()
@@ -203,13 +222,8 @@ class Intake:
         lanes_ = [ln for ln, room in rooms.items() if room > 0]
         if not lanes_:
             return
-        if self.ident.cluster:
-            resp = self._read_idle_cluster(order, lanes_)
-        else:
-            streams = {self.ident.stream(ln, k): ">" for ln in lanes_ for k in order}
-            self.round_trips += 1
-            resp = self.r.xreadgroup(GROUP, self.worker_id, streams, count=1,
-                                     block=IDLE_BLOCK_MS)
+        resp, trips = self.new.idle_read(order, lanes_)
+        self.round_trips += trips
         for stream, entries in sorted(resp or [], key=lambda x: self._rank[x[0]]):
             for entry_id, fields in entries:
                 self._admit(*self._where[stream], entry_id, fields, 1)
@@ -270,40 +284,13 @@ class Intake:
     def close(self) -> None:
         self._reader.shutdown(wait=False, cancel_futures=True)
 
-    def _read_idle_cluster(self, order: list[Keys], lanes_: list[str]) -> list:
-        """An idle read on a cluster (see the module docstring): one entry of each stream,
-        every key space read by a command of its own, pipelined; if none had one, a block
-        on the first key space of ``order`` (it rotates). XREADGROUP's reply shape."""
-        def streams(k: Keys) -> dict[str, str]:
-            return {self.ident.stream(ln, k): ">" for ln in lanes_}
-        self.round_trips += 1
-        if len(order) > 1:
-            pipe = self.r.pipeline(transaction=False)
-            for k in order:
-                pipe.xreadgroup(GROUP, self.worker_id, streams(k), count=1)
-            resp = [x for reply in pipe.execute() for x in reply or []]
-            if resp:
-                return resp
-            self.round_trips += 1
-        return self.r.xreadgroup(GROUP, self.worker_id, streams(order[0]), count=1,
-                                 block=CLUSTER_IDLE_BLOCK_MS if len(order) > 1
-                                 else IDLE_BLOCK_MS)
-
     def _read_lane(self, lane: str, counts: dict[Keys, int]) -> dict[Keys, list]:
-        """New entries of a lane's streams, ``counts[tenant]`` of each, in one round trip
-        (XREADGROUP's COUNT is per call: one call per tenant, pipelined). The reader
-        thread's."""
+        """New entries of a lane's streams, ``counts[tenant]`` of each (moved from their
+        inboxes first), in one round trip (XREADGROUP's COUNT is per call: one call per
+        tenant, pipelined). The reader thread's."""
         self.read_round_trips += 1
-        if len(counts) == 1:
-            (k, n), = counts.items()
-            resp = self.r.xreadgroup(GROUP, self.worker_id, {self.ident.stream(lane, k): ">"},
-                                     count=n)
-            return {k: resp[0][1] if resp else []}
-        pipe = self.r.pipeline(transaction=False)
-        for k, n in counts.items():
-            pipe.xreadgroup(GROUP, self.worker_id, {self.ident.stream(lane, k): ">"}, count=n)
-        return {k: resp[0][1] if resp else []
-                for k, resp in zip(counts, pipe.execute(), strict=True)}
+        replies = self.new.move_and_read([(lane, k, n) for k, n in counts.items()])
+        return {k: resp[0][1] if resp else [] for k, resp in zip(counts, replies, strict=True)}
 
     def _admit(self, keys: Keys, lane: str, entry_id: str, fields: dict[str, str] | None,
                deliveries: int) -> None:
@@ -367,6 +354,8 @@ class Intake:
     def _started(e: EntryRead, reply: Started | Exception) -> EntryRead:
         """``e`` with START's ``reply`` (a ResponseError where Redis refused the job's keys:
         the entry is dead-lettered; any other error is a fault)."""
+        if script.is_oom(reply):  # a full Redis: not the entry's fault
+            return dataclasses.replace(e, kind=Read.deferred)
         if isinstance(reply, redis.ResponseError):
             return dataclasses.replace(e, kind=Read.bad, job_id=e.fields["job"],
                                        error=f"redis refused the job's keys: {reply}")
@@ -377,12 +366,15 @@ class Intake:
     def _admit_read(self, e: EntryRead, deliveries: int) -> None:
         """The second half of admission, on the engine thread. Whatever the entry holds, it
         is admitted or dead-lettered: it never raises out of here."""
-        if e.kind is Read.deleted:
+        if e.kind is Read.deferred:
+            self.deferred = True
+        elif e.kind is Read.deleted:
             self._ack_del(e.keys, e.lane, e.entry_id)
         elif e.kind is Read.bad:
             self._reject_entry(e.keys, e.lane, e.entry_id, e.fields, e.error, e.job_id,
                                deliveries)
         elif e.kind is Read.started:
+            self.starts += 1  # (Redis took a START: it is not full for us)
             try:
                 self._start_job(e.keys, e.lane, e.entry_id, e.fields, e.req, deliveries,
                                 e.started)
@@ -506,3 +498,4 @@ class Intake:
         if job_id:
             self.jobs.pop(keys.job(job_id), None)
         self.metrics.finished.labels(Status.failed).inc()
+

@@ -20,7 +20,13 @@ from pagedq.engine.sampling_params import SamplingParams
 from pagedq.wire.connection import is_cluster
 from pagedq.wire.guided import GuidedSpec
 from pagedq.wire.keys import JOB_ID_RE, Keys
-from pagedq.wire.schema import FinishReason, JobRequest, clean_logprob, describe
+from pagedq.wire.schema import (
+    SCHEMA_VERSION,
+    FinishReason,
+    JobRequest,
+    clean_logprob,
+    describe,
+)
 from pagedq.wire.settings import Settings
 
 
@@ -166,6 +172,10 @@ def parse_entry(fields: dict[str, str], model: str, lane: str) -> JobRequest:
     body = fields.get("body")
     if body is None:
         raise BadEntry("malformed entry: no 'body' field", job_id)
+    version = fields.get("v")  # (an entry without it: version 1, as before it was written)
+    if version is not None and version != str(SCHEMA_VERSION):
+        raise BadEntry(f"unknown schema version {version[:32]!r}: this worker reads version "
+                       f"{SCHEMA_VERSION}", job_id)
     try:
         body.encode("utf-8")
     except UnicodeEncodeError:

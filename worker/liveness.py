@@ -36,13 +36,16 @@ class Heartbeat:
     (from the engine loop, or from the watchdog while a step runs within its limit). The
     worker's entry in ``{P}:serving:{model}`` is scored by its heartbeat's expiry time;
     members silent for PRUNE_AFTER_S are pruned there and in ``{P}:workers``.
-    ``device`` and ``max_num_seqs`` describe the engine for ``pagedq inspect``."""
+    ``device`` and ``max_num_seqs`` describe the engine for ``pagedq inspect``;
+    ``vocab_size`` (announced in ``{P}:vocab``) lets the gateway refuse token ids outside
+    the model's vocabulary."""
 
     def __init__(self, ident: WorkerIdentity, publisher: Publisher, *, device: str = "",
-                 max_num_seqs: int = 0) -> None:
+                 max_num_seqs: int = 0, vocab_size: int = 0) -> None:
         self.ident, self.publisher = ident, publisher
         self._static = {"device": device, "max_num_seqs": max_num_seqs,
                         "started_at": f"{time.time():.3f}"}
+        self.vocab_size = vocab_size
 
     def beat(self, jobs: list[Job], kv_usage: float) -> None:
         """``jobs``: the jobs the worker owns now (their leases are refreshed). Its hash
@@ -79,6 +82,8 @@ class Heartbeat:
                     pipe.expire(wk, ttl)
                     pipe.zadd(keys.workers, {ident.worker_id: now})
                     pipe.zremrangebyscore(keys.workers, "-inf", prune_before)
+                    if self.vocab_size:
+                        pipe.hset(keys.vocab, ident.model, self.vocab_size)
                 pipe.zadd(serving, {ident.worker_id: now + ttl})
                 pipe.sadd(keys.models, ident.model)
                 pipe.zremrangebyscore(serving, "-inf", prune_before)
@@ -119,6 +124,7 @@ def read_queue_metrics(ident: WorkerIdentity, metrics: Metrics) -> None:
             pipe.xpending(stream, GROUP)
             pipe.xlen(k.dlq(ident.model, lane))
             pipe.xpending_range(stream, GROUP, min="-", max="+", count=1)
+            pipe.llen(k.inbox(ident.model, lane))
         res = pipe.execute()
     except Exception as e:  # noqa: BLE001 - metrics must never take the worker down
         log.warning("queue_metrics_failed", error=str(e))
@@ -126,9 +132,9 @@ def read_queue_metrics(ident: WorkerIdentity, metrics: Metrics) -> None:
     # (prefix, lane) -> length, pending, dlq, oldest; summed over the lane's streams
     total = {(k.prefix, lane): [0, 0, 0, 0.0] for k, lane in where}
     for i, (k, lane) in enumerate(where):
-        length, pend, dlq, oldest = res[4 * i:4 * i + 4]
+        length, pend, dlq, oldest, inbox = res[5 * i:5 * i + 5]
         t = total[k.prefix, lane]
-        t[0] += length
+        t[0] += length + inbox  # the lane's unfinished jobs: in its stream or its inbox
         t[1] += pend["pending"] if isinstance(pend, dict) else 0
         t[2] += dlq
         t[3] = max(t[3], oldest[0]["time_since_delivered"] / 1000 if oldest else 0)

@@ -43,7 +43,8 @@ class Metrics:
         self.running = g("num_requests_running", "Requests in the running batch")
         self.waiting = g("num_requests_waiting", "Requests admitted but waiting in the engine")
         self.kv_usage = g("kv_cache_usage_perc", "Share of KV-cache blocks in use (0-1)")
-        self.stream_length = queue_g("stream_length", "Entries in the lane's jobs stream")
+        self.stream_length = queue_g("stream_length", "Unfinished jobs of the lane: entries "
+                                                      "of its jobs stream and its inbox")
         self.pending = queue_g("pending_count", "Entries delivered but not acknowledged")
         self.oldest_pending = queue_g("oldest_pending_age_seconds", "Idle time of the oldest pending entry")
         self.dlq_size = queue_g("dlq_size", "Entries in the dead-letter stream")
@@ -60,6 +61,12 @@ class Metrics:
         self.generation_tokens = c("generation_tokens", "Tokens generated")
         self.preemptions = c("num_preemptions", "Preemptions by recompute")
         self.reclaims = c("reclaims", "Entries reclaimed from dead or stale workers")
+        self.redis_oom = c("redis_oom_errors", "Writes a full Redis refused (maxmemory), "
+                                               "each retried")
+        self.streams_recreated = c("streams_recreated", "Jobs streams or groups made again "
+                                                        "after Redis lost its data")
+        self.degraded = g("degraded", "1 while the worker is degraded (a full Redis refuses "
+                                      "its writes), else 0")
         self.finished = Counter("pagedq:request_success", "Jobs ended, by status",
                                 ["status"], registry=reg)
         self.gpu: GpuCollector | None = None

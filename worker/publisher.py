@@ -12,7 +12,10 @@ take its own job back after a lease ran out, e.g. while Redis was away: the earl
 attempt's unwritten tokens are then dropped, never numbered in the new attempt's log, and
 its final event and "lost" verdicts leave the new attempt alone); a failed round trip is
 retried as a whole
-(scripts are idempotent: explicit event ids, compare-and-set on attempt). On a Redis
+(scripts are idempotent: explicit event ids, compare-and-set on attempt), and so is one
+where Redis refused a PUBLISH or FINISH for memory (a full Redis: the thread keeps every
+job's events and retries with backoff, reporting through ``on_redis_full``) or where FINISH
+found the job's log behind the final's index (a round that failed in part). On a Redis
 Cluster a round holds one PUBLISH call per key space (a script touches one slot), and a
 reply that is a connection-level failure (a master failing over: the cluster pipeline
 returns it instead of raising) fails the round, which is then sent again whole.
@@ -158,6 +161,10 @@ class Publisher:
         self.lost: queue.SimpleQueue = queue.SimpleQueue()
         self.rounds = 0  # round trips to Redis
         self.errors = 0
+        # on_redis_full(part, why): a full Redis refused this thread's writes ("publisher":
+        # results, retried; "heartbeat": the heartbeat, not retried), or why="" once it
+        # takes them again (worker/service.py reports it: health, metrics, a log line)
+        self.on_redis_full: Callable[[str, str], None] = lambda part, why: None
         self.cpu_s = 0.0  # the thread's CPU seconds, set when it ends (bench/service.py)
 
     # ---- called from the engine loop --------------------------------------------------
@@ -199,6 +206,20 @@ class Publisher:
         self._thread.join(timeout)
 
     # ---- the thread -------------------------------------------------------------------
+    def _keepalive(self, calls: list) -> None:
+        """The heartbeat and lease refreshes of a round that is waiting for Redis to take
+        its results: sent on their own, so the worker keeps its jobs meanwhile (REFRESH
+        runs on a full Redis: XCLAIM never grows it, and its function may exceed maxmemory)."""
+        if not calls:
+            return
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for fn in calls:
+                fn(pipe)
+            pipe.execute(raise_on_error=False)
+        except RETRYABLE:
+            pass
+
     def _run(self) -> None:
         while not self._stop.is_set():
             items: list[Message] = [self._q.get()]
@@ -309,10 +330,19 @@ class Publisher:
                 for cancel_set, jobs in asks.items():
                     pipe.smismember(cancel_set, [job_id for _, job_id in jobs])
                 res = pipe.execute(raise_on_error=False)
-                if script.noscript(res):  # Redis lost its script cache: load, send it all again
+                if script.noscript(res):  # Redis lost its scripts: load, send it all again
                     script.load(self.r, worker_scripts.NAMES)
                     continue
                 script.raise_retryable(res)
+                head = res[:len(pubs) + len(finishes)]  # the results' scripts
+                if why := _retry_reason(head, len(pubs)):
+                    self.errors += 1
+                    self.on_redis_full("publisher", str(why) if script.is_oom(why) else "")
+                    log.warning("publish_retry", error=str(why), backoff_s=backoff)
+                    self._keepalive(calls)
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    continue
                 break
             except RETRYABLE as e:
                 self.errors += 1
@@ -320,10 +350,17 @@ class Publisher:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
         self.rounds += 1
+        self.on_redis_full("publisher", "")
+        refused = ""
         for x in res:
             if isinstance(x, Exception):
                 self.errors += 1
-                log.error("publish_script_error", error=str(x))
+                if script.is_oom(x):  # a heartbeat write: the next beat tries again
+                    refused = f"Redis refused the heartbeat: {x}"
+                else:
+                    log.error("publish_script_error", error=str(x))
+        if calls:  # (a round without the heartbeat says nothing of it)
+            self.on_redis_full("heartbeat", refused)
         base = len(pubs)
         for (pub, published), reply in zip(pubs.values(), res, strict=False):
             if isinstance(reply, list):
@@ -343,3 +380,15 @@ class Publisher:
             for (uid, _), hit in zip(jobs, hits, strict=True):
                 if hit:
                     self.cancel_hits.put(uid)
+
+
+def _retry_reason(head: list[Any], finals_from: int) -> Any:
+    """Why a round's results must be sent again, or None: Redis refused a PUBLISH or FINISH
+    for memory (that error), or a FINISH found the job's log behind the final's index
+    (a round that failed in part: "behind")."""
+    for i, x in enumerate(head):
+        if script.is_oom(x):
+            return x
+        if i >= finals_from and x == Verdict.behind:
+            return Verdict.behind
+    return None

@@ -134,12 +134,13 @@ class RedisServer:
     and directory stay the same, so an AOF-enabled server comes back with its data.
     With ``tls`` it listens for TLS only, on ``port`` (no plain TCP port); ``extra``:
     more redis-server arguments (``["--requirepass", pw]``: visible in ps, tests only).
-    ``die_with_parent``: the server gets SIGTERM when the process that started it dies."""
+    ``die_with_parent``: the server gets SIGTERM when the process that started it dies;
+    ``binary``: this redis-server (default: ``find_redis_server``'s)."""
 
     def __init__(self, port: int | None = None, dir: str | None = None,
                  appendonly: bool = False, extra: list[str] | None = None,
                  tls: ServerTls | None = None, min_version: tuple[int, int] | None = None,
-                 die_with_parent: bool = False) -> None:
+                 die_with_parent: bool = False, binary: str | None = None) -> None:
         self.port = port or free_port()
         self._own_dir = dir is None
         self.dir = dir or tempfile.mkdtemp(prefix="pagedq-redis-")
@@ -147,6 +148,7 @@ class RedisServer:
         self.extra = extra or []
         self.tls = tls
         self.min_version = min_version  # e.g. (7, 0) for an --aclfile with Redis 7 rules
+        self.binary = binary
         self.proc: subprocess.Popen | None = None
         self.die_with_parent = die_with_parent
 
@@ -168,7 +170,8 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         log_from = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
-        args = [find_redis_server(tls=self.tls is not None, min_version=self.min_version),
+        args = [self.binary or find_redis_server(tls=self.tls is not None,
+                                                 min_version=self.min_version),
                 *self._listen_args(),
                 "--bind", "127.0.0.1", "--dir", self.dir, "--save", "", "--daemonize", "no",
                 "--appendonly", "yes" if self.appendonly else "no",

@@ -38,6 +38,7 @@ from pagedq.worker.jobs import (
 from pagedq.worker.metrics import Metrics, observe_many
 from pagedq.worker.pacing import StepPacer
 from pagedq.worker.publisher import Final, Publisher
+from pagedq.worker.redis_faults import RedisFaults
 
 log = structlog.get_logger("pagedq.worker")
 GIL_SWITCH_S = 0.001
@@ -80,7 +81,13 @@ class Worker:
                              self._final, self.log)
         self.heartbeat = liveness.Heartbeat(ident, self.publisher,
                                             device=str(engine.runner.device),
-                                            max_num_seqs=engine.config.max_num_seqs)
+                                            max_num_seqs=engine.config.max_num_seqs,
+                                            vocab_size=engine.runner.vocab_size)
+        # an outage, a full Redis, a Redis that lost its data (worker/redis_faults.py)
+        self.faults = RedisFaults(ident, self.health, self.metrics, self.log,
+                                  engine.has_unfinished)
+        self.publisher.on_redis_full = self.faults.redis_full
+        self.intake.on_stream_made = self.faults.stream_made
         self.sweep = recovery.UnservedSweep(ident, self.log)
         self.watchdog = liveness.Watchdog(self.pacer.watchdog_limit_s, self.worker_id,
                                           keepalive=self._beat,
@@ -94,8 +101,6 @@ class Worker:
         # all of it, blocking on the stream while the engine is idle included
         self.loop_s = {"engine_step": 0.0, "emit": 0.0, "intake": 0.0, "intake_busy": 0.0,
                        "other": 0.0}
-        self._redis_retry_at = 0.0
-        self._backoff = 0.1
 
     # ---- lifecycle --------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -105,7 +110,7 @@ class Worker:
         """Serve until ``request_stop()`` (or, with ``until_idle``, until nothing is left).
         Raises RedisUnusable, before starting anything, when Redis refuses the credentials
         or the TLS set-up; Redis not answering is not fatal (intake retries)."""
-        self._redis_call(self._start_check)
+        self._redis_call(self.faults.start_check)
         # the publisher thread's Python competes with the engine thread for the GIL; with
         # CPython's 5 ms switch interval the engine thread, back from waiting on the device,
         # could wait up to a whole step for it (H200, bench/service.py: 21,663 tok/s at
@@ -166,8 +171,13 @@ class Worker:
                     break
             else:
                 t, busy = time.perf_counter(), self.engine.has_unfinished()
+                writes = self.intake.writes
                 if self._redis_call(self.intake.poll, own_pending):
                     own_pending = False
+                    self.faults.after_poll(self.intake.deferred, self.intake.writes > writes)
+                    self.intake.deferred = False
+                if self.faults.reread_own:  # entries read and not started: read again
+                    own_pending, self.faults.reread_own = True, False
                 dt = time.perf_counter() - t
                 self.loop_s["intake"] += dt
                 if busy:
@@ -200,37 +210,9 @@ class Worker:
         self.loop_s["emit"] += time.perf_counter() - t1
 
     def _redis_call(self, fn, *args):
-        """Run an intake-side Redis operation; on an outage back off (capped) and report
-        False. The engine keeps stepping meanwhile."""
-        if time.monotonic() < self._redis_retry_at:
-            if not self.engine.has_unfinished():
-                time.sleep(min(0.1, self._redis_retry_at - time.monotonic()))
-            return False
-        try:
-            out = fn(*args)
-            self._backoff = 0.1
-            return True if out is None else out
-        except _REDIS_DOWN as e:
-            self.log.warning("redis_unavailable", error=str(e), retry_in_s=self._backoff)
-            self._redis_retry_at = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, 5.0)
-            return False
-
-    def _start_check(self) -> None:
-        try:
-            self._ensure_group()
-        except redis.RedisError as e:  # RedisUnusable is not _REDIS_DOWN: _redis_call raises it
-            if connection.is_fatal(e):
-                raise connection.RedisUnusable(self.s.redis_url, e) from e
-            raise
-
-    def _ensure_group(self) -> None:
-        for stream in self.ident.streams:
-            try:
-                self.r.xgroup_create(stream, GROUP, id="0", mkstream=True)
-            except redis.ResponseError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
+        """An intake-side Redis call: False when it failed and is retried later (backoff;
+        worker/redis_faults.py)."""
+        return self.faults.call(fn, *args)
 
     def _release_all(self) -> None:
         """Hand unfinished jobs back: abort them here and mark their entries long idle so
@@ -247,7 +229,7 @@ class Worker:
         try:
             for stream, ids in by_stream.items():
                 self.r.xclaim(stream, GROUP, self.worker_id, 0, ids, idle=idle_ms, justid=True)
-        except _REDIS_DOWN:
+        except (*_REDIS_DOWN, redis.ResponseError):  # (NOGROUP: the stream is gone)
             pass  # the lease expires on its own
         self.log.info("jobs_released", count=len(self.jobs))
         self.jobs.clear()

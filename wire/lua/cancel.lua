@@ -3,8 +3,20 @@
 -- ARGV: 1 job id, 2 result_ttl_s, 3 pub/sub channel, 4 queued-tokens key prefix
 --       ('<model>:<lane>' appended), 5 queued-jobs key prefix (the same); the derived keys
 --       are in the same slot as the declared ones
--- Reply: "missing" | "terminal" | "cancelled" (was queued) | "requested" (was running)
+-- Reply: "missing" | "terminal" | "cancelled" (was queued) | "requested" (was running);
+-- an error reply for a call whose KEYS and ARGV are not those of one job (nothing written)
 local job, out, cset = KEYS[1], KEYS[2], KEYS[3]
+local base, id = key_base(job or ''), ARGV[1] or ''
+if #KEYS ~= 3 or #ARGV ~= 5 or not base or not valid_id(id) or job ~= base .. ':job:' .. id
+   or out ~= base .. ':out:' .. id or cset ~= base .. ':cancel'
+   or ARGV[3] ~= base .. ':chan:' .. id or ARGV[4] ~= base .. ':qtokens:'
+   or ARGV[5] ~= base .. ':qjobs:' then
+  return redis.error_reply('ERR pagedq CANCEL: KEYS and ARGV must name one job of one key '
+                           .. 'space (docs/protocol.md "Cancelling")')
+end
+if string.find(ARGV[2], '^%d+$') == nil or #ARGV[2] > 10 or tonumber(ARGV[2]) < 1 then
+  return redis.error_reply('ERR pagedq CANCEL: result_ttl_s must be a positive integer')
+end
 local st = redis.call('HGET', job, 'status')
 if not st then return 'missing' end
 if st == 'running' then

@@ -4,6 +4,8 @@
 --       7 completion_tokens, 8 index, 9 ttl, 10 entry_id, 11 group, 12 job_id, 13 channel,
 --       14 now, 15 maxlen, 16 choices-json-or-''
 -- Reply: 'ok' | 'dup' (already terminal under our attempt: just acked) | 'fenced' (not ours)
+--        | 'behind' (the log lacks token events before the final's index: nothing written;
+--        its round failed in part, e.g. on a full Redis: the caller sends the round again)
 local h = redis.call('HMGET', KEYS[1], 'attempt', 'status')
 if h[1] ~= ARGV[1] then return 'fenced' end
 local function ack()
@@ -17,6 +19,8 @@ if TERMINAL[h[2]] then
   ack()
   return 'dup'
 end
+local last = last_index(KEYS[2])  -- -1: no log (never written, expired): nothing to check
+if last >= 0 and last < tonumber(ARGV[8]) - 1 then return 'behind' end
 local choices = ARGV[16] or ''
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'finish_reason', ARGV[3], 'text', ARGV[4],
            'error', ARGV[5], 'prompt_tokens', ARGV[6], 'completion_tokens', ARGV[7],

@@ -21,7 +21,7 @@ for j = 0, n - 1 do
         f[#f + 1] = o[2]; f[#f + 1] = v; m[o[2]] = v
       end
     end
-    local r = redis.pcall('XADD', ok, 'MAXLEN', '~', maxlen, out_id(ARGV[b + 2]), unpack(f))
+    local r = add_event(ok, 'MAXLEN', '~', maxlen, out_id(ARGV[b + 2]), unpack(f))
     if type(r) == 'string' then
       redis.call('PUBLISH', ARGV[b + 6], cjson.encode(m))
       written = written + 1

@@ -1,39 +1,48 @@
 -- SUBMIT: enqueue one job, atomically and idempotently (docs/protocol.md "Submitting").
--- KEYS: 1 job hash, 2 jobs stream of the lane, 3 queued-tokens counter of the lane,
+-- KEYS: 1 job hash, 2 inbox list of the lane, 3 queued-tokens counter of the lane,
 --       4 out stream, 5 queued-jobs counter of the lane, 6 serving zset of the model,
---       7 models set; only for a job of a bulk batch: 8 batch hash, 9 batch done list
--- ARGV: 1 job id, 2 body JSON, 3 req_hash, 4 model, 5 qtok, 6 timeout_s or "",
---       7 max_queued_jobs (0 = unlimited), 8 max_queued_tokens (0 = unlimited),
---       9 consumer group name, 10 schema version, 11 require_worker ("1" or "0"),
---       12 lane; only with KEYS 8-9: 13 batch item (pushed on the done list as it ends)
--- Reply: {"queued", entry_id} | {"exists", status} | {"conflict", ""}
+--       7 models set, 8 wake list of the model; only for a job of a bulk batch: 9 batch
+--       hash, 10 batch done list. Every key is of the key space (hash tag) of KEYS 1.
+-- ARGV: 1 job id, 2 body JSON, 3 req_hash (hex SHA-1 of the body), 4 model, 5 qtok,
+--       6 timeout_s or "", 7 max_queued_jobs (0 = unlimited), 8 max_queued_tokens
+--       (0 = unlimited), 9 consumer group name, 10 schema version, 11 require_worker ("1"
+--       or "0"), 12 lane; only with KEYS 9-10: 13 batch item (pushed on the done list as
+--       it ends)
+-- Reply: {"queued", ""} | {"exists", status} | {"conflict", ""}
 --        | {"overloaded", cap_name, cap, current} | {"invalid", reason} | {"no_worker", model}
-local job, stream, qkey, out = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+-- The job goes on the lane's inbox, never on its jobs stream: a worker moves it there
+-- (MOVE), so that a producer needs no right on the streams (docs/security.md).
+local job, inbox, qkey, out = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 -- The script checks its own arguments: a producer in any language may call it, and a bad
 -- argument must be refused here, not leave a job that no worker can run or count.
-local id, model, lane = ARGV[1], ARGV[4], ARGV[12] or ''
-local batch = #KEYS >= 9
+local id, model, lane = ARGV[1] or '', ARGV[4] or '', ARGV[12] or ''
+local batch = #KEYS == 10
 local function bad(reason) return {'invalid', reason} end
-if #id < 1 or #id > 128 or string.find(id, '^[%w_.:%-]+$') == nil then
-  return bad('job id must be 1-128 of [A-Za-z0-9_.:-]')
+if not ((#KEYS == 8 and #ARGV == 12) or (batch and #ARGV == 13)) then
+  return bad('SUBMIT takes 8 KEYS and 12 ARGV, or 10 and 13 for a job of a batch')
 end
+if not valid_id(id) then return bad('job id must be 1-128 of [A-Za-z0-9_.:-]') end
 if #model < 1 or #model > 128 or string.find(model, '^[%w_.%-]+$') == nil then
   return bad('model must be 1-128 of [A-Za-z0-9_.-]')
 end
 if #lane < 1 or #lane > 32 or string.find(lane, '^[a-z0-9_%-]+$') == nil then
   return bad('lane must be 1-32 of [a-z0-9_-]')
 end
-local function ends(s, suffix) return string.sub(s, -#suffix) == suffix end
-local ml = model .. ':' .. lane
-if not (ends(job, '}:job:' .. id) and ends(out, '}:out:' .. id) and ends(stream, '}:jobs:' .. ml)
-        and ends(qkey, '}:qtokens:' .. ml) and ends(KEYS[5], '}:qjobs:' .. ml)
-        and ends(KEYS[6], '}:serving:' .. model) and ends(KEYS[7], '}:models')) then
-  return bad('KEYS do not name this job id, model and lane (see docs/protocol.md)')
+local base, ml = key_base(job), model .. ':' .. lane
+local want = {base, ':job:' .. id, ':inbox:' .. ml, ':qtokens:' .. ml, ':out:' .. id,
+              ':qjobs:' .. ml, ':serving:' .. model, ':models', ':wake:' .. model}
+for i = 1, 8 do
+  if not base or KEYS[i] ~= base .. want[i + 1] then
+    return bad('KEYS[' .. i .. '] must be ' .. (base or '{P}') .. want[i + 1]
+               .. ' (every key of one key space: see docs/protocol.md)')
+  end
 end
 if batch then
-  local bid = string.match(KEYS[8], '}:batch:([%w_.:%-]+)$')
-  if not bid or not ends(KEYS[9], '}:batchdone:' .. bid) or (ARGV[13] or '') == '' then
-    return bad('KEYS 8-9 must name one batch and ARGV[13] its item (see docs/protocol.md)')
+  local head = base .. ':batch:'
+  local bid = string.sub(KEYS[9], 1, #head) == head and string.sub(KEYS[9], #head + 1) or ''
+  if not valid_id(bid) or KEYS[10] ~= base .. ':batchdone:' .. bid
+     or ARGV[13] == '' then
+    return bad('KEYS 9-10 must name one batch of the key space and ARGV[13] its item')
   end
 end
 for _, i in ipairs({5, 7, 8}) do
@@ -41,13 +50,15 @@ for _, i in ipairs({5, 7, 8}) do
     return bad('ARGV[' .. i .. '] must be a non-negative integer')
   end
 end
-if ARGV[6] ~= '' and not (tonumber(ARGV[6]) and tonumber(ARGV[6]) > 0) then
-  return bad('timeout_s must be empty or a positive number')
+local timeout = tonumber(ARGV[6])
+if ARGV[6] ~= '' and not (timeout and timeout > 0 and timeout <= 604800) then
+  return bad('timeout_s must be empty or a number in (0, 604800]')
 end
 if ARGV[9] ~= 'workers' then return bad('consumer group must be "workers"') end
 if ARGV[10] ~= '1' then return bad('schema version must be 1') end
-if string.find(ARGV[3], '^%x+$') == nil or #ARGV[3] ~= 64 then
-  return bad('req_hash must be the hex SHA-256 of the body')
+if ARGV[11] ~= '0' and ARGV[11] ~= '1' then return bad('require_worker must be 0 or 1') end
+if ARGV[3] ~= redis.sha1hex(ARGV[2]) then
+  return bad('req_hash must be the lowercase hex SHA-1 of the body')
 end
 local ok, obj = pcall(cjson.decode, ARGV[2])
 if not ok or type(obj) ~= 'table' or string.find(ARGV[2], '^%s*{') == nil then
@@ -66,8 +77,6 @@ local now, t = now_str()
 if ARGV[11] == '1' and redis.call('ZCOUNT', KEYS[6], t[1], '+inf') == 0 then
   return {'no_worker', model}  -- serving scores are heartbeat expiry times
 end
--- id 0: a group created after jobs were added still delivers them (BUSYGROUP ignored).
-redis.pcall('XGROUP', 'CREATE', stream, ARGV[9], '0', 'MKSTREAM')
 local queued = tonumber(redis.call('GET', KEYS[5]) or '0') or 0
 local qtok, maxj, maxt = tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[8])
 if maxj > 0 and queued >= maxj then
@@ -80,17 +89,20 @@ if maxt > 0 and cur > 0 and cur + qtok > maxt then
 end
 local deadline = ''
 if ARGV[6] ~= '' then
-  deadline = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[6]))
+  deadline = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1e6 + timeout)
 end
--- A job id reused after its record expired starts with an empty event log.
-redis.call('DEL', out)
+-- The first write may grow memory: a full Redis (maxmemory) refuses it before anything is
+-- written, whether it checks the call up front (a function) or its first write (EVAL).
 redis.call('HSET', job, 'status', 'queued', 'model', model, 'lane', lane, 'attempt', '0',
            'created_at', now, 'req_hash', ARGV[3], 'qtok', ARGV[5], 'deadline', deadline)
-if batch then redis.call('HSET', job, 'bkey', KEYS[8], 'bdone', KEYS[9], 'bitem', ARGV[13]) end
+-- A job id reused after its record expired starts with an empty event log.
+redis.call('DEL', out)
+if batch then redis.call('HSET', job, 'bkey', KEYS[9], 'bdone', KEYS[10], 'bitem', ARGV[13]) end
 -- queued = jobs submitted and not yet out of 'queued': see leave_queue (common.lua)
 redis.call('INCRBY', qkey, qtok)
 redis.call('INCR', KEYS[5])
 redis.call('SADD', KEYS[7], model)
-local eid = redis.call('XADD', stream, '*', 'job', id, 'body', ARGV[2], 'v', ARGV[10])
-redis.call('HSET', job, 'entry', eid)
-return {'queued', eid}
+redis.call('RPUSH', inbox, id .. '\n' .. ARGV[10] .. '\n' .. ARGV[2])
+-- one doorbell per job for the idle workers (BLPOP); a few dozen are enough to wake them all
+if redis.call('LLEN', KEYS[8]) < 64 then redis.call('RPUSH', KEYS[8], '1') end
+return {'queued', ''}
