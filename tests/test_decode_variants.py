@@ -73,7 +73,7 @@ def test_parse_variant_and_defaults(monkeypatch):
         with pytest.raises(ValueError, match="decode variant"):
             dec.parse_variant(bad)
     with pytest.raises(ValueError, match="cache kind"):
-        dec.use_variant("int8", "swap")
+        dec.use_variant("int4", "swap")
     monkeypatch.setitem(dec.DEFAULTS, "fp8", "tile")
     dec.use_variant("fp8", "swap8:bn=32")
     assert dec.DEFAULTS["fp8"] == "swap8:bn=32"
