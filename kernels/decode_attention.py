@@ -48,9 +48,11 @@ from pagedq.kernels.layout import check_paged_qkv, is_transposed
 _LOG2E = 1.4426950408889634
 
 
-# Step-varying arguments are not specialised (see prefill_attention._prefill_kernel).
+# Step-varying arguments are not specialised (see prefill_attention._prefill_kernel), nor
+# the alignment of a layer's scales (views of every layer's: one variant for all layers).
 @triton.jit(do_not_specialize=["s_btb", "splits"],
-            do_not_specialize_on_alignment=["bt_ptr", "lens_ptr", "order_ptr"])
+            do_not_specialize_on_alignment=["bt_ptr", "lens_ptr", "order_ptr", "ks_ptr",
+                                            "vs_ptr"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, part_ptr, lse_ptr,
                    qk_scale, v_scale, ks_ptr, vs_ptr, ksc_ptr, vsc_ptr,
                    s_qb, s_qh, s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd, s_btb,

@@ -42,7 +42,7 @@ def _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 # compile a new variant (seconds) whenever one of them first turns 1, or a multiple of 16,
 # or a pointer's 16-byte alignment changes (cu_seqlens_q is a slice of a packed buffer).
 @triton.jit(do_not_specialize=["num_seqs", "s_btb"],
-            do_not_specialize_on_alignment=["bt_ptr", "lens_ptr", "cu_ptr"])
+            do_not_specialize_on_alignment=["bt_ptr", "lens_ptr", "cu_ptr", "ks_ptr", "vs_ptr"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr, qk_scale,
                     v_scale, ks_ptr, vs_ptr, ksc_ptr, vsc_ptr, num_seqs, s_qt, s_qh, s_kb, s_kt,
                     s_kh, s_kd, s_vb, s_vt, s_vh, s_vd, s_btb, s_ot, s_oh, s_scb, s_sct,

@@ -89,7 +89,7 @@ def _inverses(s_ptr, offs_h, hmask):
 
 # positions and slot_mapping are slices of packed buffers: their alignment changes with T,
 # which must not compile a new variant mid-run (CUDA graphs capture several T).
-@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr", "ks_ptr", "vs_ptr"])
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
                        qw_ptr, kw_ptr, eps, ks_ptr, vs_ptr, ksc_ptr, vsc_ptr,
                        s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,

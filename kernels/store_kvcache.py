@@ -50,9 +50,10 @@ def int8_codes(x, inv):
 
 
 # slot_mapping is a slice of a packed buffer: its alignment changes with T, which must not
-# compile a new variant mid-run. Cache strides equal to 1 are specialised (Triton's
-# default), so a token-major cache keeps its vectorised row stores.
-@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
+# compile a new variant mid-run; so do a layer's per-head scales (a view of all layers'
+# [layers, 2, Hkv]: one variant for every layer). Cache strides equal to 1 are specialised
+# (Triton's default), so a token-major cache keeps its vectorised row stores.
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr", "ks_ptr", "vs_ptr"])
 def _store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, s_kt, s_vt,
                   s_kcb, s_kco, s_kch, s_kcd, s_vcb, s_vco, s_vch, s_vcd,
                   ROW: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
