@@ -41,3 +41,19 @@ def test_attention_dry_run_times_each_8bit_cache(tmp_path):
     assert "8-bit caches as the engine runs them" in out.stdout
     bad = _bench("attention.py", "--dry-run", "--kv-dtypes", "fp8,int4")
     assert bad.returncode == 2 and "--kv-dtypes: int4 not one of" in bad.stderr
+
+
+def test_kernel_report_compiles_for_sm90_without_a_gpu(tmp_path):
+    """bench/kernel_report.py with the installed Triton (any machine): the store kernels of
+    each 8-bit cache compile for sm_90 and report registers and their SASS."""
+    out = _bench("kernel_report.py", "--cases", "store", "--json", str(tmp_path / "r.json"),
+                 "--sass", str(tmp_path / "sass"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert {"store_kvcache int8", "store_kvcache e5m2", "qk_norm_rope_store e4m3"} <= set(rows)
+    for r in rows.values():
+        assert 0 < r["registers"] <= 255 and r["sass"] > 0
+    assert rows["store_kvcache e4m3"]["conversions"] > 0  # float -> e4m3
+    assert len(list((tmp_path / "sass").glob("*.sass"))) == len(rows)
+    bad = _bench("kernel_report.py", "--cases", "store,nope")
+    assert bad.returncode == 2 and "--cases: nope not one of" in bad.stderr
