@@ -105,7 +105,7 @@ def per_head(s, hkv: int, device) -> torch.Tensor:
 def quantize_fp8(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
     """x [T, Hkv, D] -> ``dtype`` (float8_e4m3fn or e5m2): x * (1 / scale[h]) saturated."""
     s = per_head(scale, x.shape[1], x.device)
-    inv = torch.ones_like(s) / s  # (not 1.0 / s: torch computes that as a reciprocal)
+    inv = torch.ones_like(s) / s  # (tensor / tensor: see quantize_int8)
     top = FP8_MAX[dtype]
     return (x.float() * inv[:, None]).clamp_(-top, top).to(dtype)
 
@@ -114,10 +114,12 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, Hkv, D] -> (int8 codes [T, Hkv, D], float32 scales [T, Hkv]) (module doc)."""
     xf = x.float()
     a = xf.abs().amax(-1)
-    # (tensor / tensor: torch computes a number / a tensor as a reciprocal times it)
-    inv = torch.where(a > 0, torch.full_like(a, INT8_MAX) / torch.where(a > 0, a, 1.0), 0.0)
+    # tensor / tensor only: torch computes a number / a tensor, and on CUDA a tensor / a
+    # number, as a product with a reciprocal, not the IEEE quotient the kernels take
+    top = torch.full_like(a, INT8_MAX)
+    inv = torch.where(a > 0, top / torch.where(a > 0, a, 1.0), 0.0)
     codes = torch.floor(xf * inv[..., None] + 0.5).clamp_(-INT8_MAX, INT8_MAX)
-    return codes.to(torch.int8), a / INT8_MAX
+    return codes.to(torch.int8), a / top
 
 
 def quantize(x: torch.Tensor, cache_dtype: torch.dtype, scale=1.0):
