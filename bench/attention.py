@@ -1,9 +1,15 @@
 """Paged decode attention: achieved KV-read GB/s vs copy bandwidth and vs torch SDPA on the
 same data laid out contiguously (docs/benchmarks.md, Definitions 3). CUDA only.
 
-    PYTHONPATH=. python bench/attention.py [--out DIR] [--sweep] [--fp8-sweep] [--quick] [--dry-run]
+    PYTHONPATH=. python bench/attention.py [--out DIR] [--sweep] [--fp8-sweep] [--quick]
+                                          [--kv-dtypes fp8,fp8_e5m2,int8] [--dry-run]
 
---fp8-sweep: the same target points with a float8_e4m3fn cache (half the bytes), over the
+8-bit caches (always, each of --kv-dtypes): paged_decode_attention as the engine runs it (its
+DEFAULTS variant for the kind, V transposed; fp8 e4m3 with per-head scale tensors, int8 with
+its scale caches) at B=64 x L=4096 and B=256 x L=1024 (16/8 heads), against the bf16
+cache's default on the same data: GB/s of the bytes read (int8's scales included) and their
+share of copy bandwidth (issue 40's bar: >= 0.85).
+--fp8-sweep: the same target points with each 8-bit cache of --kv-dtypes, over the
 kernel's knobs; time against the bf16 cache's default config on the same data.
 
 --dry-run: a smoke test of this script on the CPU (Triton interpreter, tiny shapes, wall
@@ -34,15 +40,23 @@ from triton.testing import do_bench  # noqa: E402
 
 if not __package__:  # run as a script: the checkout's root, not bench/, leads sys.path
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from pagedq.kernels.decode_attention import choose_num_splits, decode_launch  # noqa: E402
+from pagedq.kernels import kv_quant  # noqa: E402
+from pagedq.kernels.decode_attention import (  # noqa: E402
+    choose_num_splits,
+    decode_launch,
+    paged_decode_attention,
+)
 from pagedq.kernels.layout import transposed_view  # noqa: E402
 
 BS, D, DT = 16, 128, torch.bfloat16
 GRID_B, GRID_L = (1, 16, 64, 256), (512, 2048, 8192, 32768)
 TARGETS = ((64, 4096), (16, 16384))  # the issue's bar: paged >= 0.90 x SDPA GB/s
+TARGETS8 = ((64, 4096), (256, 1024))  # issue 40's: 8-bit KV bytes read >= 0.85 x copy
+KV8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 DEV = "cpu" if DRY else "cuda"
 if DRY:
     GRID_B, GRID_L, TARGETS, DT = (1, 2), (32, 64), ((2, 64), (1, 128)), torch.float32
+    TARGETS8 = ((2, 64),)
 GQAS = ((16, 8), (32, 8))
 
 
@@ -189,23 +203,48 @@ HEADER = (" GQA    B      L  spl  paged_us  paged_GB/s  /copy   sdpa_us  sdpa_GB
           "ratio  relerr")
 
 
-def fp8_sweep(p: Point, B: int, L: int, deadline: float) -> list[dict]:
-    """Decode on a float8_e4m3fn copy of the point's cache in the engine's fp8 layout (V
-    transposed, kernels/layout.py): default knobs and a grid; "token-major V" is the
-    default knobs on the layout the fp8 cache had before."""
-    kc8, vc8_rows = p.kc.to(torch.float8_e4m3fn), p.vc.to(torch.float8_e4m3fn)
-    vc8 = transposed_view(torch.empty(p.vc.shape, dtype=torch.float8_e4m3fn, device=DEV))
-    vc8.copy_(p.vc)
-    scale, out = D ** -0.5, []
+def kv8(p: Point, kind: str):
+    """The point's cache as an 8-bit cache of ``kind`` in the engine's layout (V transposed),
+    its scale keywords (fp8 e4m3: per-head tensors, the engine's form) and KV bytes."""
+    dt = KV8[kind]
+    kc, ksc = kv_quant.quantized_cache(p.kc, dt)
+    vc, vsc = kv_quant.quantized_cache(p.vc, dt)
+    vt = transposed_view(torch.empty(vc.shape, dtype=dt, device=DEV))
+    vt.view(torch.uint8).copy_(vc.view(torch.uint8))
+    ones = torch.ones(p.hkv, device=DEV)
+    kq = dict(k_scale_cache=ksc, v_scale_cache=vsc) if ksc is not None else \
+        dict(k_scale=ones, v_scale=ones) if kind == "fp8" else {}
+    per_token = D + (4 if ksc is not None else 0)  # bytes per token and head, K or V
+    return kc, vc, vt, kq, p.B * p.L * p.hkv * per_token * 2
 
-    def timed(kc, vc, **knobs):
-        it = itertools.cycle(p.sets)
 
-        def f():
-            q, bt, lens, _, _ = next(it)
-            return decode_launch(q, kc, vc, bt, lens, scale, **knobs)
-        return bench(f, 40)
-    bf16_us = timed(p.kc, p.vc) * 1e3
+def timed_on(p: Point, kc, vc, kq, fn=paged_decode_attention, rep=40, **knobs) -> float:
+    """Median us of ``fn`` over the point's sets on these caches."""
+    it = itertools.cycle(p.sets)
+
+    def f():
+        q, bt, lens, _, _ = next(it)
+        return fn(q, kc, vc, bt, lens, D ** -0.5, **kq, **knobs)
+    return bench(f, rep) * 1e3
+
+
+def measure8(p: Point, kind: str, copy_bw: float, bf16_us: float) -> dict:
+    kc, _, vt, kq, nbytes = kv8(p, kind)
+    q, bt, lens, _, _ = p.sets[0]
+    ref = paged_decode_attention(q, p.kc, p.vc, bt, lens, D ** -0.5).float()
+    err = (paged_decode_attention(q, kc, vt, bt, lens, D ** -0.5, **kq).float() - ref).norm()
+    us = timed_on(p, kc, vt, kq, rep=100)
+    return dict(kind=kind, B=p.B, L=p.L, us=us, GBps=nbytes / us / 1e3,
+                of_copy=nbytes / us / 1e3 / copy_bw, bf16_us=bf16_us, x_bf16=bf16_us / us,
+                relerr_vs_bf16_cache=(err / ref.norm()).item())
+
+
+def fp8_sweep(p: Point, kind: str, deadline: float) -> list[dict]:
+    """Decode on an 8-bit copy of the point's cache in the engine's layout (V transposed,
+    kernels/layout.py): default knobs and a grid; "token-major V" is the default knobs on
+    the layout the fp8 cache had before."""
+    kc8, vc8_rows, vc8, kq, nbytes = kv8(p, kind)
+    bf16_us, out = timed_on(p, p.kc, p.vc, {}, decode_launch), []
     grid = [{}, "token-major V"] + [dict(block_n=bn, num_warps=nw, num_stages=ns,
                                           num_splits=sp)
                                      for (bn, nw, ns), sp in itertools.product(
@@ -215,9 +254,10 @@ def fp8_sweep(p: Point, B: int, L: int, deadline: float) -> list[dict]:
         if time.monotonic() > deadline:
             break
         rows = knobs == "token-major V"
-        us = timed(kc8, vc8_rows if rows else vc8, **({} if rows else knobs)) * 1e3
+        us = timed_on(p, kc8, vc8_rows if rows else vc8, kq, decode_launch,
+                      **({} if rows else knobs))
         name = knobs if rows else ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
-        out.append(dict(B=B, L=L, knobs=name, us=us, GBps=kv_bytes(8, B, L) / 2 / us / 1e3,
+        out.append(dict(kind=kind, B=p.B, L=p.L, knobs=name, us=us, GBps=nbytes / us / 1e3,
                         bf16_us=bf16_us))
     return out
 
@@ -227,11 +267,17 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--sweep", action="store_true", help="tune knobs at the target points")
     ap.add_argument("--quick", action="store_true", help="targets only")
-    ap.add_argument("--fp8-sweep", action="store_true", help="fp8 cache: knobs at the targets")
+    ap.add_argument("--fp8-sweep", action="store_true",
+                    help="8-bit caches (--kv-dtypes): knobs at the targets (default: off)")
+    ap.add_argument("--kv-dtypes", default=",".join(KV8),
+                    help=f"8-bit caches to time, of {', '.join(KV8)} (default: all)")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="stop measuring after this many seconds, then report (0: no limit)")
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test (see doc)")
     args = ap.parse_args()
+    kinds = [k for k in args.kv_dtypes.split(",") if k]
+    if bad := [k for k in kinds if k not in KV8]:
+        ap.error(f"--kv-dtypes: {', '.join(bad)} not one of {', '.join(KV8)}")
     if not DRY and not torch.cuda.is_available():
         print("bench/attention.py needs CUDA (or --dry-run)", file=sys.stderr)
         return 2
@@ -285,9 +331,18 @@ def main() -> int:
             result["sweep"].append(r)
         del p
         save()
+    for B, L in TARGETS8:  # 8-bit caches as the engine runs them
+        p = make_point(16, 8, B, L, l2)
+        bf16_us = timed_on(p, p.kc, p.vc, {}, rep=100)
+        for kind in kinds if time.monotonic() < deadline else ():
+            result.setdefault("kv8", []).append(measure8(p, kind, copy_bw, bf16_us))
+        del p
+        save()
     for B, L in TARGETS if args.fp8_sweep else ():
-        result.setdefault("fp8_sweep", []).extend(fp8_sweep(make_point(16, 8, B, L, l2), B, L,
-                                                            deadline))
+        p = make_point(16, 8, B, L, l2)
+        for kind in kinds:
+            result.setdefault("fp8_sweep", []).extend(fp8_sweep(p, kind, deadline))
+        del p
         save()
     print(f"\nwrote {path}\npaged decode attention, {DT}, block {BS}, head_dim {D}; "
           f"copy {copy_bw:.0f} GB/s; ratio = SDPA time / paged time = paged GB/s / SDPA GB/s")
@@ -301,14 +356,22 @@ def main() -> int:
     print(HEADER)
     for r in result["grid"]:
         print(fmt(r, copy_bw))
-    for B, L in TARGETS if args.fp8_sweep else ():
-        rows = sorted((r for r in result["fp8_sweep"] if (r["B"], r["L"]) == (B, L)),
-                      key=lambda r: r["us"])
-        print(f"fp8 cache B={B} L={L} (16/8): bf16 default {rows[0]['bf16_us']:.1f} us; "
+    for (B, L), kind in itertools.product(TARGETS if args.fp8_sweep else (), kinds):
+        rows = sorted((r for r in result["fp8_sweep"] if (r["B"], r["L"], r["kind"]) ==
+                       (B, L, kind)), key=lambda r: r["us"])
+        if not rows:
+            continue
+        print(f"{kind} cache B={B} L={L} (16/8): bf16 default {rows[0]['bf16_us']:.1f} us; "
               f"fastest of {len(rows)}:")
         for r in rows[:4] + [r for r in rows if r["knobs"] in ("default", "token-major V")]:
-            print(f"  {r['knobs']:<28} {r['us']:8.1f} us {r['GBps']:7.0f} GB/s (fp8 bytes) "
+            print(f"  {r['knobs']:<28} {r['us']:8.1f} us {r['GBps']:7.0f} GB/s (its bytes) "
                   f"x{r['bf16_us'] / r['us']:.2f} vs bf16")
+    print("8-bit caches as the engine runs them, 16/8 heads (>= 0.85 of copy):")
+    for r in result.get("kv8", []):
+        print(f"  {r['kind']:<9} {r['B']:>4} x {r['L']:<6} {r['us']:8.1f} us {r['GBps']:7.0f} "
+              f"GB/s {r['of_copy']:5.2f} of copy  x{r['x_bf16']:.2f} vs bf16 "
+              f"({r['bf16_us']:.1f} us)  relerr {r['relerr_vs_bf16_cache']:.1e}  "
+              f"{'PASS' if r['of_copy'] >= 0.85 else 'FAIL'}")
     print("targets (ratio >= 0.90):")
     for r in result["targets"]:
         print(fmt(r, copy_bw), "PASS" if r["pass"] else "FAIL")

@@ -36,6 +36,7 @@ for s in $steps; do
               grp sampler 100 tests/test_sampler.py -k "cuda or grammar or logit_bias" ;;
     main) rm -rf ~/.triton/cache  # first process on an empty Triton cache, as on a new machine
           off --num-seqs 256; off --num-seqs 256 --kv-cache-dtype fp8
+          off --num-seqs 256 --kv-cache-dtype fp8_e5m2; off --num-seqs 256 --kv-cache-dtype int8
           off --shape llama-3.2-1b --num-seqs 128; off --shape llama-3.1-8b --num-seqs 32 ;;
     ablations) for a in "" "--enforce-eager" "--no-async" "--disable rms_norm,fused_add_rms_norm" \
                  "--disable qk_norm_rope_store,apply_rotary" "--disable silu_and_mul" \

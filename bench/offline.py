@@ -10,6 +10,7 @@ sampled every 8th step.
   python bench/offline.py [--shape qwen3-0.6b|llama-3.2-1b|llama-3.1-8b|llama-3.1-70b|tiny]
                           [--num-seqs 256] [--tensor-parallel-size N]
                           [--enforce-eager] [--disable fused_add_rms_norm,qk_norm_rope_store]
+                          [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2|int8]
                           [--decode-variant swap8:st=3]
 (--disable qk_norm_rope_store runs the unfused norm / rotary / store kernels instead: see
 engine/layers/ops.py; list those too for their torch twins, with --enforce-eager.)
@@ -65,6 +66,22 @@ SHAPES["tiny"] = dict(SHAPES["qwen3-0.6b"], vocab_size=10240, hidden_size=64,
                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
 PHYSICAL_LIMIT = {"qwen3-0.6b": 35600.0}  # tok/s on the H200 (docs/benchmarks.md)
+
+
+def kv_cache_dtypes() -> tuple[str, ...]:
+    """kv_cache_dtype's values, as the engine declares them (wire/engine_config.py)."""
+    from pagedq.wire.declared import declared
+    from pagedq.wire.engine_config import EngineConfig
+    return next(d.setting.choices for d in declared(EngineConfig) if d.name == "kv_cache_dtype")
+
+
+def cache_kind(kv_cache_dtype: str) -> str:
+    """The decode kernel's cache kind (kernels/decode_attention.py DEFAULTS) of a value."""
+    import torch
+
+    from pagedq.engine.kv_cache import kv_format
+    from pagedq.kernels.kv_quant import kind
+    return kind(kv_format(kv_cache_dtype, torch.bfloat16).dtype)
 
 
 def workload(n: int):
@@ -146,7 +163,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=kv_cache_dtypes())
     ap.add_argument("--no-async", action="store_true", help="synchronous scheduling")
     ap.add_argument("--disable", default="",
                     help="kernels to replace by their torch twins; decode_order: decode "
@@ -167,8 +184,7 @@ def main() -> int:
     if args.decode_variant:  # before the engine: its CUDA graphs capture the kernel they see
         from pagedq.kernels import decode_attention
         try:
-            decode_attention.use_variant("fp8" if args.kv_cache_dtype == "fp8" else "16bit",
-                                         args.decode_variant)
+            decode_attention.use_variant(cache_kind(args.kv_cache_dtype), args.decode_variant)
         except ValueError as e:
             ap.error(f"--decode-variant: {e}")
     import torch
@@ -205,12 +221,13 @@ def main() -> int:
                    tensor_parallel_size=args.tensor_parallel_size,
                    cuda_graphs=len(engine.runner.graphs),
                    kv_cache_gib=engine.runner.kv_cache_bytes / 2**30,
+                   kv_cache=engine.runner.kv_label,
                    graph_gib=engine.runner.graph_bytes / 2**30,
                    device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     if args.shape in PHYSICAL_LIMIT and res["device"] != "cpu":
         res["fraction_of_limit"] = res["throughput_tok_s"] / PHYSICAL_LIMIT[args.shape]
     print(json.dumps(res))
-    print(f"{args.shape:13s} seqs={args.num_seqs:4d} kv={args.kv_cache_dtype:4s} eager={args.enforce_eager!s:5s} "
+    print(f"{args.shape:13s} seqs={args.num_seqs:4d} kv={args.kv_cache_dtype:8s} eager={args.enforce_eager!s:5s} "
           f"disabled={args.disable or '-':30s} {res['throughput_tok_s']:9.0f} tok/s "
           f"({res['output_tokens']} tok in {res['seconds']:.2f} s, {res['steps']} steps, "
           f"{res['ms_per_step']:.2f} ms/step, host waited {res['host_wait_s']:.2f} s) "
@@ -222,7 +239,7 @@ def main() -> int:
         tag = f"{args.shape}-{args.num_seqs}{'-eager' if args.enforce_eager else ''}" + \
               (f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "") + \
               ("-sync" if args.no_async else "") + \
-              ("-fp8" if args.kv_cache_dtype == "fp8" else "") + \
+              (f"-{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "") + \
               (f"-no-{args.disable.replace(',', '+')}" if args.disable else "") + \
               (f"-dv-{args.decode_variant.translate(str.maketrans(':,=', '-+_'))}"
                if args.decode_variant else "")

@@ -1,9 +1,9 @@
 """The model runner owns everything on the device: weights, the paged KV cache, input
 preparation and the forward pass of one ScheduledBatch.
 
-KV cache: one tensor [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim];
-each attention layer holds views of its k and v slices (fp8: v as a transposed_view,
-kernels/layout.py). Slot of token position p of a
+KV cache: one tensor [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+of the kv_cache_dtype's storage, with its scales (engine/kv_cache.py, engine/kv_scales.py);
+each attention layer holds views of its k and v slices. Slot of token position p of a
 sequence = block_table[p // block_size] * block_size + p % block_size.
 
 Tensor parallelism (EngineConfig.tensor_parallel_size > 1, engine/distributed.py): one
@@ -33,6 +33,7 @@ import weakref
 
 import torch
 
+from pagedq.engine import kv_cache, kv_scales
 from pagedq.engine.batch import ScheduledBatch
 from pagedq.engine.capture import capture_stream
 from pagedq.engine.config import EngineConfig
@@ -50,7 +51,6 @@ from pagedq.engine.quant.detect import detect as detect_quantization
 from pagedq.engine.quant.weights import feed
 from pagedq.engine.sampling_params import SamplingParams
 from pagedq.engine.sequence import Sequence
-from pagedq.kernels.layout import transposed_view
 
 # "half" and "float" are vLLM's names of float16 and float32 (wire/engine_config.py)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -99,9 +99,12 @@ class ModelRunner:
         self.device = _pick_device(config.device, tp_size, rank)
         self.dtype = (_DTYPES[config.dtype] if config.dtype != "auto" else
                       torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.kv_cache_dtype = self.dtype
-        if config.kv_cache_dtype != "auto":  # unit scales: stored = real (|x| <= 448)
-            self.kv_cache_dtype = torch.float8_e4m3fn
+        self.kv_format = kv_cache.kv_format(config.kv_cache_dtype, self.dtype)
+        kv_cache.check_device(self.kv_format, self.device)
+        self.kv_cache_dtype = self.kv_format.dtype
+        self.kv_scales = kv_scales.CheckpointScales()  # filled while the weights load
+        self.kv_scale_cache = None  # int8's scale caches (engine/kv_cache.py)
+        self.kv_fit = False  # fp8 e4m3 scales to fit: the next step that prefills is eager
 
         self.source = resolve_model(model_name_or_path, config.load_format != "dummy")
         self.quant = detect_quantization(self.source, config.quantization,
@@ -196,7 +199,7 @@ class ModelRunner:
         if config.load_format == "dummy":
             _init_dummy(model, seed=tp.rank)
         else:
-            model.load_weights(feed(weights, kept))
+            model.load_weights(self.kv_scales.take(feed(weights, kept)))
             quant_model.finish_load(model)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             pack_model(model)  # MKL-packed copies for the GEMMs of a decode step
@@ -270,10 +273,15 @@ class ModelRunner:
         return int(asked)
 
     def block_bytes(self) -> int:
-        """Bytes of one KV block over all layers, K and V."""
+        """Bytes of one KV block over all layers, K and V (int8's scales included)."""
         m = self.model
-        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * len(m.attention_layers()) * self.block_size * m.num_kv_heads * m.head_dim * elem
+        return kv_cache.block_bytes(self.kv_format, len(m.attention_layers()), self.block_size,
+                                    m.num_kv_heads, m.head_dim)
+
+    @property
+    def kv_label(self) -> str:
+        """The KV cache's dtype and scales in words (engine/kv_cache.py label)."""
+        return kv_cache.label(self.kv_format, self.kv_fit)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -281,18 +289,10 @@ class ModelRunner:
         return self.num_kv_blocks * self.block_bytes()
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
-        m = self.model
-        layers = m.attention_layers()
-        self.kv_cache = None
-        # zeros, not empty: a kernel that multiplies masked-out garbage by 0 must not see NaN
-        self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size, m.num_kv_heads,
-                                    m.head_dim, dtype=self.kv_cache_dtype, device=self.device)
-        # an fp8 V cache is laid out [D, block_size] per block and head (kernels/layout.py):
-        # its decode kernel needs V's tokens contiguous; kv_cache keeps the same bytes
-        fp8 = self.kv_cache_dtype == torch.float8_e4m3fn
-        for i, attn in enumerate(layers):
-            v = self.kv_cache[1, i]
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], transposed_view(v) if fp8 else v
+        self.kv_cache = self.kv_scale_cache = None
+        self.kv_cache, self.kv_scale_cache, self.kv_fit = kv_cache.allocate(
+            self.kv_format, self.model, num_blocks, self.block_size, self.device,
+            self.kv_scales, self.hf_config, self.tp)
 
     def _profile_num_blocks(self) -> int:
         """CPU: kv_cache_memory_gb. CUDA: run one warm-up step of max_num_batched_tokens with a
@@ -335,9 +335,8 @@ class ModelRunner:
             graphs = self._capture_graphs(announce=False)
             self.release_graphs()
         budget = total * cfg.gpu_memory_utilization - not_ours - peak - graphs
-        self.kv_cache = None
-        for attn in self.model.attention_layers():
-            attn.k_cache = attn.v_cache = torch.tensor([])
+        self.kv_cache = self.kv_scale_cache = None
+        kv_cache.release(self.model.attention_layers())
         torch.cuda.empty_cache()  # (the graphs' pools too, once released)
         blocks = int(budget // per_block)
         if blocks < 1:
@@ -402,6 +401,9 @@ class ModelRunner:
         """Hidden states [T, H]: a captured CUDA graph for decode-only batches that fit one,
         the piecewise graphs for other steps that fit them, else the eager model."""
         n = input_ids.shape[0]
+        if self.kv_fit and not meta.is_decode_only:  # its layers fit their fp8 scales
+            self.kv_fit = False
+            return self._model_step(input_ids, positions, meta)
         if not (meta.is_decode_only and self.graphs and n <= self.config.max_num_seqs):
             pw = self.piecewise
             if pw is not None and not meta.is_decode_only and n <= pw.max_tokens:
@@ -499,9 +501,8 @@ class ModelRunner:
             self.release_graphs()
         finally:
             if self.model is not None:  # a caller may still hold the model: not its cache
-                for attn in self.model.attention_layers():
-                    attn.k_cache = attn.v_cache = torch.tensor([])
-            self.model = self.kv_cache = self.inputs = None
+                kv_cache.release(self.model.attention_layers())
+            self.model = self.kv_cache = self.kv_scale_cache = self.inputs = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 

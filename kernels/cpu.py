@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedq.kernels import quant_layout, reference
+from pagedq.kernels import kv_quant, quant_layout, reference
 from pagedq.kernels.cpu_sampling import (  # noqa: F401  (ops of this module)
     apply_token_bitmask,
     gumbel_argmax,
@@ -143,40 +143,61 @@ def _plan(block_tables, seq_lens, cu_seqlens_q, bs: int, hkv: int, G: int) -> li
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache rows at slots: [len(slots), Hkv, D] (a transposed_view cache: by block, offset)."""
-    nb, bs, h, d = cache.shape
+    """cache rows at slots: [len(slots), Hkv, D] (a transposed_view cache: by block, offset);
+    of a scale cache [num_blocks, block_size, Hkv]: [len(slots), Hkv]."""
+    nb, bs = cache.shape[:2]
     if cache.is_contiguous():
-        return cache.view(nb * bs, h, d).index_select(0, slots)
+        return cache.view(nb * bs, *cache.shape[2:]).index_select(0, slots)
     return cache[slots // bs, slots % bs]
 
 
-def _attend_decode(q, k_cache, v_cache, g: _Group, scale: float) -> torch.Tensor:
+def _decode_rows(cache, scale, scale_cache, g: _Group, hkv: int, d: int) -> torch.Tensor:
+    """A decode group's keys (or values) as float32 [n * Hkv, L, D] in (row, KV head) order,
+    dequantized (kernels/kv_quant.py)."""
+    n, L = g.n, g.L
+    if cache.is_contiguous():
+        x = cache.view(-1, d).index_select(0, g.head_rows).view(n, hkv, L, d).float()
+        tok = None if scale_cache is None else \
+            scale_cache.view(-1).index_select(0, g.head_rows).view(n, hkv, L, 1)
+    else:
+        x = _gather(cache, g.slots).view(n, L, hkv, d).transpose(1, 2).float()
+        tok = None if scale_cache is None else \
+            _gather(scale_cache, g.slots).view(n, L, hkv).transpose(1, 2).unsqueeze(-1)
+    if tok is not None:
+        x = x * tok
+    elif isinstance(scale, torch.Tensor) or scale != 1.0:
+        x = x * kv_quant.per_head(scale, hkv, x.device).view(1, hkv, 1, 1)
+    return x.reshape(n * hkv, L, d)
+
+
+def _attend_decode(q, k_cache, v_cache, g: _Group, scale: float, kq: dict) -> torch.Tensor:
     """A decode group's output [n, Hq, D] float32: per (row, KV head) a [G, D] x [D, L]
     product, masked softmax, [G, L] x [L, D] (batched matmuls: at one query per row they
     cost less than scaled_dot_product_attention's setup)."""
-    n, L, (_, hq, d), hkv = g.n, g.L, q.shape, k_cache.shape[2]
-    if k_cache.is_contiguous() and v_cache.is_contiguous():
-        k = k_cache.view(-1, d).index_select(0, g.head_rows).view(n * hkv, L, d).float()
-        v = v_cache.view(-1, d).index_select(0, g.head_rows).view(n * hkv, L, d).float()
-    else:
-        k, v = (_gather(c, g.slots).view(n, L, hkv, d).transpose(1, 2).reshape(n * hkv, L, d)
-                .float() for c in (k_cache, v_cache))
+    n, (_, hq, d), hkv = g.n, q.shape, k_cache.shape[2]
+    k = _decode_rows(k_cache, kq.get("k_scale", 1.0), kq.get("k_scale_cache"), g, hkv, d)
+    v = _decode_rows(v_cache, kq.get("v_scale", 1.0), kq.get("v_scale_cache"), g, hkv, d)
     s = torch.baddbmm(g.head_mask, q.float().reshape(n * hkv, hq // hkv, d), k.transpose(1, 2),
                       alpha=scale)
     return torch.bmm(torch.softmax(s, dim=-1), v).view(n, hq, d)
 
 
-def _attend(q, k_cache, v_cache, g: _Group, scale: float) -> torch.Tensor:
+def _attend(q, k_cache, v_cache, g: _Group, scale: float, kq: dict) -> torch.Tensor:
     """Output rows of group g: [its tokens, Hq, D] float32, in token order."""
     if g.head_rows is not None:  # every row of the step decodes, in order
-        return _attend_decode(q, k_cache, v_cache, g, scale)
+        return _attend_decode(q, k_cache, v_cache, g, scale, kq)
     _, hq, d = q.shape
     hkv = k_cache.shape[2]
     G, n, mq = hq // hkv, g.n, g.maxq
     qg = q if g.q_rows is None else q.index_select(0, g.q_rows)
     qg = qg.float().view(n, mq, hkv, G, d).transpose(1, 2).reshape(n, hkv, mq * G, d)
-    k = _gather(k_cache, g.slots).view(n, g.L, hkv, d).transpose(1, 2).float()
-    v = _gather(v_cache, g.slots).view(n, g.L, hkv, d).transpose(1, 2).float()
+
+    def real(cache, s, sc):
+        tok = None if sc is None else _gather(sc, g.slots)
+        x = kv_quant.dequantize(_gather(cache, g.slots), s, tok)
+        return x.view(n, g.L, hkv, d).transpose(1, 2)
+    k = real(k_cache, kq.get("k_scale", 1.0), kq.get("k_scale_cache"))
+    v = real(v_cache, kq.get("v_scale", 1.0), kq.get("v_scale_cache"))
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
     o = o.view(n, hkv, mq, G, d).transpose(1, 2).reshape(n * mq, hq, d)
     return o if g.valid is None else o.index_select(0, g.valid)
@@ -184,23 +205,25 @@ def _attend(q, k_cache, v_cache, g: _Group, scale: float) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, scale: float) -> torch.Tensor:
-    """reference.paged_attention (prefill, chunked prefill with a cached prefix, decode)."""
+                    cu_seqlens_q: torch.Tensor, scale: float, **kq) -> torch.Tensor:
+    """reference.paged_attention (prefill, chunked prefill with a cached prefix, decode;
+    ``kq``: its k_scale ... v_scale_cache)."""
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     G = q.shape[1] // hkv
     groups = _derived.get("attention", (block_tables, seq_lens, cu_seqlens_q), (bs, hkv, G),
                           lambda: _plan(block_tables, seq_lens, cu_seqlens_q, bs, hkv, G))
     if len(groups) == 1 and groups[0].out_rows is None:
-        return _attend(q, k_cache, v_cache, groups[0], scale).to(q.dtype)
+        return _attend(q, k_cache, v_cache, groups[0], scale, kq).to(q.dtype)
     out = torch.empty_like(q)
     for g in groups:
-        out.index_copy_(0, g.out_rows, _attend(q, k_cache, v_cache, g, scale).to(q.dtype))
+        out.index_copy_(0, g.out_rows, _attend(q, k_cache, v_cache, g, scale, kq).to(q.dtype))
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, order: torch.Tensor | None = None) -> torch.Tensor:
+                           scale: float, order: torch.Tensor | None = None,
+                           **kq) -> torch.Tensor:
     """reference.paged_decode_attention: q [B, Hq, D], one query per sequence
     (``order`` ignored)."""
     if q.shape[0] == 0:
@@ -209,14 +232,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     G = q.shape[1] // hkv
     g = _derived.get("decode", (block_tables, seq_lens), (bs, hkv, G),
                      lambda: _decode_group(block_tables, seq_lens, bs, hkv, G))
-    return _attend_decode(q, k_cache, v_cache, g, scale).to(q.dtype)
+    return _attend_decode(q, k_cache, v_cache, g, scale, kq).to(q.dtype)
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """reference.store_kvcache, as one index_copy_ per cache (contiguous caches)."""
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale=1.0,
+                  v_scale=1.0, k_scale_cache: torch.Tensor | None = None,
+                  v_scale_cache: torch.Tensor | None = None) -> None:
+    """reference.store_kvcache, as one index_copy_ per cache (contiguous caches): the same
+    kv_quant.quantize values."""
+    scales = dict(k_scale=k_scale, v_scale=v_scale, k_scale_cache=k_scale_cache,
+                  v_scale_cache=v_scale_cache)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+        return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping, **scales)
 
     def valid():
         keep = slot_mapping >= 0
@@ -224,12 +252,16 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     keep = _derived.get("slots", (slot_mapping,), (), valid)
     slots = slot_mapping if keep is None else slot_mapping.index_select(0, keep)
     nb, bs, h, d = k_cache.shape
-    for src, cache in ((key, k_cache), (value, v_cache)):
+    for src, cache, s, sc in ((key, k_cache, k_scale, k_scale_cache),
+                              (value, v_cache, v_scale, v_scale_cache)):
         src = src if keep is None else src.index_select(0, keep)
-        dst, src = cache.view(nb * bs, h, d), src.to(cache.dtype)
-        if cache.dtype == torch.float8_e4m3fn:  # no index_copy_ for it: copy the bytes
+        src, tok = kv_quant.quantize(src, cache.dtype, s)
+        dst = cache.view(nb * bs, h, d)
+        if cache.element_size() == 1:  # no index_copy_ for float8: copy the bytes
             dst, src = dst.view(torch.uint8), src.view(torch.uint8)
         dst.index_copy_(0, slots, src)
+        if tok is not None:
+            sc.view(nb * bs, h).index_copy_(0, slots, tok)
 
 
 def _float32(*ts: torch.Tensor) -> bool:
@@ -303,12 +335,12 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                       q_weight, k_weight, eps, *, k_scale=1.0, v_scale=1.0):
+                       q_weight, k_weight, eps, **scales):
     """reference.qk_norm_rope_store as the same composition of this module's ops (each equal
     to its twin, so the whole is too)."""
     return reference.rope_store_with(sys.modules[__name__], q, k, v, positions, cos_sin_cache,
                                      k_cache, v_cache, slot_mapping, q_weight, k_weight, eps,
-                                     k_scale, v_scale)
+                                     **scales)
 
 
 

@@ -42,24 +42,26 @@ import triton
 import triton.language as tl
 
 from pagedq.kernels import decode_tile as tile
-from pagedq.kernels import layout
+from pagedq.kernels import kv_quant, layout
 from pagedq.kernels.layout import check_paged_qkv, is_transposed
 
 _LOG2E = 1.4426950408889634
 
 
-# Step-varying arguments are not specialised (see prefill_attention._prefill_kernel).
+# Step-varying arguments are not specialised (see prefill_attention._prefill_kernel), nor
+# the alignment of a layer's scales (views of every layer's: one variant for all layers).
 @triton.jit(do_not_specialize=["s_btb", "splits"],
-            do_not_specialize_on_alignment=["bt_ptr", "lens_ptr", "order_ptr"])
+            do_not_specialize_on_alignment=["bt_ptr", "lens_ptr", "order_ptr", "ks_ptr",
+                                            "vs_ptr"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, part_ptr, lse_ptr,
-                   qk_scale, v_scale,
+                   qk_scale, v_scale, ks_ptr, vs_ptr, ksc_ptr, vsc_ptr,
                    s_qb, s_qh, s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd, s_btb,
-                   s_ob, s_oh, splits,
+                   s_ob, s_oh, s_scb, s_sct, splits,
                    HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                    D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                    SINGLE: tl.constexpr, F32_DOT: tl.constexpr, FP8_KV: tl.constexpr,
                    V_T: tl.constexpr, ORDERED: tl.constexpr, SWAP: tl.constexpr,
-                   MMA8: tl.constexpr):
+                   MMA8: tl.constexpr, HEAD_SCALE: tl.constexpr, TOKEN_SCALE: tl.constexpr):
     kvh = tl.program_id(0)  # fastest: the Hkv programs of a sequence read each block together
     b = tl.program_id(1)
     if ORDERED:
@@ -77,6 +79,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, pa
     gmask = offs_g < G
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :],
                 mask=gmask[:, None], other=0.0)
+    if HEAD_SCALE:  # an fp8 cache's scales of this KV head (kernels/kv_quant.py)
+        qk_scale = qk_scale * tl.load(ks_ptr + kvh)
+        v_scale = v_scale * tl.load(vs_ptr + kvh)
     qa, qb, rscale = tile.prepare_q(q, qk_scale, SWAP, MMA8, FP8_KV)
 
     m_i = tl.full([G_PAD], tile.NEG, tl.float32)
@@ -88,21 +93,26 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, pa
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
     k_base = k_ptr + kvh * s_kh
     v_base = v_ptr + kvh * s_vh
+    ksc_base = ksc_ptr + kvh  # an int8 cache's scale caches: [blocks, BS, Hkv] contiguous
+    vsc_base = vsc_ptr + kvh
     if V_T:  # unmasked whole tiles, then one masked tile (V's partial block: any bits)
         full = lo + (hi - lo) // BLOCK_N * BLOCK_N
         for start in tl.range(lo, full, BLOCK_N):
             m_i, l_i, acc = tile.tile(qa, qb, rscale, m_i, l_i, acc, start, hi, bt_row, k_base,
                                       v_base, s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
-                                      BS, F32_DOT, V_T, False, SWAP, MMA8)
+                                      ksc_base, vsc_base, s_scb, s_sct,
+                                      BS, F32_DOT, V_T, False, SWAP, MMA8, TOKEN_SCALE)
         if full < hi:
             m_i, l_i, acc = tile.tile(qa, qb, rscale, m_i, l_i, acc, full, hi, bt_row, k_base,
                                       v_base, s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
-                                      BS, F32_DOT, V_T, True, SWAP, MMA8)
+                                      ksc_base, vsc_base, s_scb, s_sct,
+                                      BS, F32_DOT, V_T, True, SWAP, MMA8, TOKEN_SCALE)
     else:  # token-major V: every tile masked (the split loop made bf16 slower at B = 256)
         for start in tl.range(lo, hi, BLOCK_N):
             m_i, l_i, acc = tile.tile(qa, qb, rscale, m_i, l_i, acc, start, hi, bt_row, k_base,
                                       v_base, s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
-                                      BS, F32_DOT, V_T, True, SWAP, MMA8)
+                                      ksc_base, vsc_base, s_scb, s_sct,
+                                      BS, F32_DOT, V_T, True, SWAP, MMA8, TOKEN_SCALE)
 
     # empty range (L_b == 0 or an idle split): 0; v_scale (and MMA8's p scale) folded in
     # here, k_scale in qk_scale
@@ -180,7 +190,7 @@ def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
     return torch.argsort(seq_lens, descending=True).to(torch.int32)
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens, order) -> None:
+def _check(q, k_cache, v_cache, block_tables, seq_lens, order, kq) -> None:
     def bad(msg: str):
         raise ValueError(f"paged_decode_attention: {msg}")
 
@@ -188,6 +198,7 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, order) -> None:
         bad(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
     B = q.shape[0]
     hq, d, bs, hkv = check_paged_qkv(bad, q, k_cache, v_cache)
+    kv_quant.check(bad, k_cache, **kq)
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 \
             or block_tables.shape[0] != B or block_tables.stride(1) != 1:
         bad(f"block_tables must be int32 [B={B}, max_blocks] with contiguous rows, got "
@@ -213,9 +224,10 @@ VARIANTS = {
 }
 _KNOBS = {"bn": "block_n", "w": "num_warps", "st": "num_stages", "sm": "per_sm",
           "splits": "num_splits"}
-# What paged_decode_attention runs, per cache kind ("fp8": float8_e4m3fn; "16bit": the
-# others): a variant spec, "name" or "name:knob=value,...", knobs as in parse_variant.
-DEFAULTS = {"fp8": "tile", "16bit": "tile"}
+# What paged_decode_attention runs, per cache kind (kv_quant.kind: "fp8" float8_e4m3fn,
+# "fp8_e5m2", "int8", "16bit" the others): a variant spec, "name" or
+# "name:knob=value,...", knobs as in parse_variant.
+DEFAULTS = {"fp8": "tile", "fp8_e5m2": "tile", "int8": "tile", "16bit": "tile"}
 
 
 @functools.cache
@@ -236,8 +248,8 @@ def parse_variant(spec: str) -> Mapping[str, object]:
 
 
 def use_variant(cache: str, spec: str) -> None:
-    """Make ``spec`` what paged_decode_attention runs for caches of kind ``cache`` ("fp8" or
-    "16bit"), in this process (bench/offline.py --decode-variant: before the engine starts,
+    """Make ``spec`` what paged_decode_attention runs for caches of kind ``cache`` (a key of
+    DEFAULTS), in this process (bench/offline.py --decode-variant: before the engine starts,
     since CUDA graphs capture the kernel they see)."""
     if cache not in DEFAULTS:
         raise ValueError(f"decode variant cache kind {cache!r}: not one of {', '.join(DEFAULTS)}")
@@ -246,14 +258,16 @@ def use_variant(cache: str, spec: str) -> None:
 
 
 def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
-                  k_scale: float = 1.0, v_scale: float = 1.0, order=None,
-                  variant: str = "tile", num_splits: int | None = None,
+                  k_scale=1.0, v_scale=1.0, k_scale_cache=None, v_scale_cache=None,
+                  order=None, variant: str = "tile", num_splits: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, per_sm: int | None = None):
     """paged_decode_attention with its variant (VARIANTS) and tuning knobs exposed (bench
     sweeps; tests). Knobs left None take the variant's defaults; per_sm: the programs per SM
     assumed when choosing splits (choose_num_splits)."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens, order)
+    kq = dict(k_scale=k_scale, v_scale=v_scale, k_scale_cache=k_scale_cache,
+              v_scale_cache=v_scale_cache)
+    _check(q, k_cache, v_cache, block_tables, seq_lens, order, kq)
     if variant not in VARIANTS:
         raise ValueError(f"paged_decode_attention: variant {variant!r} not one of "
                          f"{', '.join(VARIANTS)}")
@@ -269,17 +283,18 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
     # fp32 inputs get exact fp32 dots; so does the CPU interpreter, whose bf16 dot is wrong
     # (triton 3.9 reads bf16 operands as integers).
     f32_dot = q.dtype == torch.float32 or q.device.type == "cpu"
-    is8 = k_cache.dtype == torch.float8_e4m3fn
-    fp8 = is8 and not f32_dot
+    e4m3 = k_cache.dtype == torch.float8_e4m3fn
+    eight = k_cache.element_size() == 1 and not f32_dot  # 8-bit tiles converted in registers
+    fp8 = eight and k_cache.dtype in kv_quant.FP8  # ... to fp16 (int8: to q's dtype)
     v_t = is_transposed(v_cache)
-    if mma8 and not (is8 and (v_t or f32_dot)):  # (e4m3 operands must be K-major)
+    if mma8 and not (e4m3 and (v_t or f32_dot)):  # (e4m3 operands must be K-major)
         raise ValueError(f"paged_decode_attention: variant {variant!r} needs a float8_e4m3fn "
                          "cache with V in the transposed layout (kernels/layout.py)")
-    if swap and fp8 and not mma8:
+    if swap and eight and not mma8:
         # on an H200 (Triton 3.6) this form read out of bounds: non-finite outputs, then an
         # illegal address (docs/benchmarks.md, "Round three": decode variants that failed on the GPU); its interpreter runs pass
-        raise ValueError(f"paged_decode_attention: variant {variant!r} converts an fp8 "
-                         "cache's tiles, which failed on the GPU: use swap8 or tile")
+        raise ValueError(f"paged_decode_attention: variant {variant!r} converts an 8-bit "
+                         "cache's tiles, which failed on the GPU: use swap8 (e4m3) or tile")
     if block_n is None:
         block_n = 64 if d <= 128 else 32
     if mma8 and (block_n < 32 or d < 32):
@@ -287,13 +302,14 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
                          f"head_dim >= 32 (e4m3 dots), got {block_n} and {d}")
     max_ctx = block_tables.shape[1] * bs  # upper bound on any seq_len, known without a sync
     sms = _num_sms(q.device)
-    # bench/attention.py --fp8-sweep picked one-warp programs for fp8 tiles (module doc); fp8
-    # with a token-major V keeps the defaults of the kernel before the transposed layout.
+    # bench/attention.py --fp8-sweep picked one-warp programs for fp8 tiles (module doc), and
+    # every 8-bit cache takes them until it is timed on its own; fp8 with a token-major V
+    # keeps the defaults of the kernel before the transposed layout.
     # swap runs a warpgroup (4 warps), which its dots need to be wgmmas.
-    small = fp8 and v_t and d <= 128 and not swap
+    small = eight and v_t and d <= 128 and not swap
     if num_splits is None:
         num_splits = choose_num_splits(B, hkv, max_ctx, sms, block_n,
-                                       per_sm=per_sm or (8 if fp8 and not swap else 4))
+                                       per_sm=per_sm or (8 if eight and not swap else 4))
     if num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
     if num_warps is None:
@@ -303,7 +319,7 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
         # B 180 x 400-1,400 tokens 162.0 us at 5 stages against 166.3 at 3; B 64 x
         # 1,000-2,000, 2.2 programs per SM: 3 stages ahead)
         deep = B * hkv * num_splits >= 8 * sms
-        num_stages = 2 if small or d > 128 else 3 if swap else 5 if fp8 or deep else 3
+        num_stages = 2 if small or d > 128 else 3 if swap else 5 if eight or deep else 3
     # the heads are the dots' M (rows) or N (swap), 16 at least (Triton 3.6 runs a wgmma
     # only from N = 16: swap's tiles of 64 tokens are its M)
     g_pad = max(16, triton.next_power_of_2(g))
@@ -312,15 +328,18 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
         lse = torch.empty(B, hq, num_splits, dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # unused
+    ks, vs, head, _, (ksc, vsc), s_sc = kv_quant.kernel_args(k_cache, k_scale, v_scale,
+                                                             k_scale_cache, v_scale_cache)
     _decode_kernel[(hkv, B, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         seq_lens if order is None else order,  # (unread without an order: ORDERED=False)
-        out, part, lse, scale * k_scale * _LOG2E, v_scale,
+        out, part, lse, scale * _LOG2E, 1.0, ks, vs, ksc, vsc,
         q.stride(0), q.stride(1), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
-        out.stride(0), out.stride(1), num_splits,
+        out.stride(0), out.stride(1), *s_sc, num_splits,
         HQ=hq, G=g, G_PAD=g_pad, D=d, BS=bs, BLOCK_N=block_n, SINGLE=num_splits == 1,
         F32_DOT=f32_dot, FP8_KV=fp8, V_T=v_t, ORDERED=order is not None, SWAP=swap,
-        MMA8=mma8, num_warps=num_warps, num_stages=num_stages)
+        MMA8=mma8, HEAD_SCALE=head, TOKEN_SCALE=k_scale_cache is not None,
+        num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(B, hq)](part, lse, out, out.stride(0), out.stride(1), num_splits,
                                 HQ=hq, D=d, S_PAD=max(2, triton.next_power_of_2(num_splits)),
@@ -330,13 +349,13 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, order: torch.Tensor | None = None, *,
-                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                           scale: float, order: torch.Tensor | None = None,
+                           **kq) -> torch.Tensor:
     """Decode: q [B, Hq, D], one query per sequence at its last position (seq_lens[b]-1).
     order: the rows in launch order (``longest_first``), or None (row order); it changes
-    only the speed, never a result. k_scale / v_scale: per-tensor dequantisation scales
-    of the caches (real = stored * scale), for a float8_e4m3fn cache; 1.0 gives the
-    reference twin's semantics. Runs the variant DEFAULTS names for the cache's kind."""
-    knobs = parse_variant(DEFAULTS["fp8" if k_cache.dtype == torch.float8_e4m3fn else "16bit"])
-    return decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                         k_scale=k_scale, v_scale=v_scale, order=order, **knobs)
+    only the speed, never a result. ``kq``: an 8-bit cache's scales (k_scale, v_scale,
+    k_scale_cache, v_scale_cache: kernels/kv_quant.py). Runs the variant DEFAULTS names
+    for the cache's kind."""
+    knobs = parse_variant(DEFAULTS[kv_quant.kind(k_cache.dtype)])
+    return decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, order=order,
+                         **kq, **knobs)

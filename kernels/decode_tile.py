@@ -15,8 +15,9 @@ Forms (constexpr SWAP):
 Dots (constexpr F32_DOT, MMA8):
   fp32 (F32_DOT): operands upcast to fp32, exact IEEE dots (fp32 inputs; the CPU interpreter,
     whose bf16 dot is wrong). With MMA8 it runs MMA8's arithmetic on the same e4m3 terms.
-  16-bit (neither): operands in q's dtype (an fp8 cache's tile converted in registers; q is
-    then fp16, whose conversion from e4m3 is one instruction).
+  16-bit (neither): operands in q's dtype (an 8-bit cache's tile converted in registers; for
+    an fp8 cache q is then fp16, whose conversion from e4m3 or e5m2 is one instruction; an
+    int8 cache keeps q's dtype, which holds every code exactly).
   MMA8: e4m3 x e4m3 tensor-core dots on the cache's own bytes: no conversion of K or V at all.
     q and p, which must become e4m3 too, are each split into two e4m3 terms hi + lo (hi =
     e4m3(x), lo = e4m3(x - hi)), about 8 significant bits, bf16's precision; the tile runs
@@ -27,6 +28,8 @@ Caches are read through their strides (kernels/layout.py): K token-major, V toke
 transposed ([D, BLOCK_N] per tile with each block's tokens contiguous). With a transposed V
 a MASKED tile reads whole blocks and zeroes the slots past `hi` (they may hold any bits, NaN
 included); a token-major V is read per token under the mask.
+An int8 cache (TOKEN_SCALE, kernels/kv_quant.py): the tile's K scales multiply the scores'
+columns (tokens) and its V scales the softmax weights p before P.V; l sums the unscaled p.
 """
 from __future__ import annotations
 
@@ -93,13 +96,24 @@ def _dot_cache(x, kv, acc, SWAP: tl.constexpr, F32_DOT: tl.constexpr, MMA8: tl.c
 
 
 @triton.jit
+def _token_scales(base, soff, tmask, MASKED: tl.constexpr):
+    """[BLOCK_N] float32 scales of the tile's tokens (0 past hi when MASKED)."""
+    if MASKED:
+        out = tl.load(base + soff, mask=tmask, other=0.0)
+    else:
+        out = tl.load(base + soff)
+    return out
+
+
+@triton.jit
 def tile(qa, qb, rscale, m_i, l_i, acc, start, hi, bt_row, k_base, v_base,
-         s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d,
+         s_kb, s_kt, s_kd, s_vb, s_vt, s_vd, offs_n, offs_d, ksc_base, vsc_base, s_scb, s_sct,
          BS: tl.constexpr, F32_DOT: tl.constexpr, V_T: tl.constexpr, MASKED: tl.constexpr,
-         SWAP: tl.constexpr, MMA8: tl.constexpr):
+         SWAP: tl.constexpr, MMA8: tl.constexpr, TOKEN_SCALE: tl.constexpr):
     """Online softmax over tokens [start, start + BLOCK_N) of one KV head; returns
     (m, l, acc) (acc transposed under SWAP). MASKED: the tile may hold tokens >= hi (only
-    blocks holding a token < hi are read)."""
+    blocks holding a token < hi are read). TOKEN_SCALE: an int8 cache, its scale caches at
+    ksc_base / vsc_base (this head's), block and slot strides s_scb, s_sct."""
     tok = start + offs_n
     slot = tok % BS
     tmask = tok < hi
@@ -110,6 +124,10 @@ def tile(qa, qb, rscale, m_i, l_i, acc, start, hi, bt_row, k_base, v_base,
     else:
         blk = tl.load(bt_row + tok // BS).to(tl.int64)
         k = tl.load(k_base + blk[:, None] * s_kb + slot[:, None] * s_kt + offs_d[None, :] * s_kd)
+    if TOKEN_SCALE:
+        soff = blk * s_scb + slot * s_sct
+        ksc = _token_scales(ksc_base, soff, tmask, MASKED)
+        vsc = _token_scales(vsc_base, soff, tmask, MASKED)
     if SWAP:
         zeros = tl.zeros([offs_n.shape[0], rscale.shape[0]], tl.float32)
     else:
@@ -120,6 +138,8 @@ def tile(qa, qb, rscale, m_i, l_i, acc, start, hi, bt_row, k_base, v_base,
     if MMA8:  # one dot per term of q
         s = _dot_cache(qb, k, s, SWAP, F32_DOT, MMA8)
     if SWAP:  # s [BLOCK_N, G_PAD]: the heads are columns
+        if TOKEN_SCALE:
+            s = s * ksc[:, None]
         s = s * rscale[None, :]
         if MASKED:
             s = tl.where(tmask[:, None], s, NEG)
@@ -129,6 +149,8 @@ def tile(qa, qb, rscale, m_i, l_i, acc, start, hi, bt_row, k_base, v_base,
         l_i = l_i * alpha + tl.sum(p, 0)
         acc = acc * alpha[None, :]
     else:
+        if TOKEN_SCALE:
+            s = s * ksc[None, :]
         s = s * rscale[:, None]
         if MASKED:
             s = tl.where(tmask[None, :], s, NEG)
@@ -157,6 +179,11 @@ def tile(qa, qb, rscale, m_i, l_i, acc, start, hi, bt_row, k_base, v_base,
         vt = tl.trans(v)
     if SWAP:
         v = vt
+    if TOKEN_SCALE:  # l above summed the unscaled p
+        if SWAP:
+            p = p * vsc[:, None]
+        else:
+            p = p * vsc[None, :]
     if MMA8:  # one dot per term of p, summed from zero: e4m3 tensor-core sums are not fp32's
         pa, pb = split_e4m3(p * P8_SCALE)
         acc += _dot_cache(pb, v, _dot_cache(pa, v, tl.zeros_like(acc), SWAP, F32_DOT, MMA8),

@@ -3,9 +3,9 @@
 A cache is always indexed as [num_blocks, block_size, Hkv, D]; two memory layouts exist:
   token-major (contiguous): slot s of a block holds its Hkv*D values together;
   transposed (``transposed_view``): block b, KV head h holds one [D, block_size] tile, the
-    tokens of each dimension contiguous. The fp8 V cache uses it: the decode kernel's P.V
-    product needs V with tokens contiguous, and 8-bit values cannot be transposed on the
-    fly by the tensor-core loads (kernels/decode_attention.py).
+    tokens of each dimension contiguous. 8-bit V caches (fp8, int8) use it: the decode
+    kernel's P.V product needs V with tokens contiguous, and 8-bit values cannot be
+    transposed on the fly by the tensor-core loads (kernels/decode_attention.py).
 Every kernel and twin reads and writes through the strides, so both work anywhere.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 FLOAT = (torch.float16, torch.bfloat16, torch.float32)
-CACHE = FLOAT + (torch.float8_e4m3fn,)
+CACHE = FLOAT + (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)  # kernels/kv_quant.py
 
 
 def check_paged_qkv(bad: Callable[[str], None], q: torch.Tensor, k_cache: torch.Tensor,
@@ -30,7 +30,8 @@ def check_paged_qkv(bad: Callable[[str], None], q: torch.Tensor, k_cache: torch.
     _, bs, hkv, dk = k_cache.shape
     if q.dtype not in FLOAT or k_cache.dtype not in CACHE or v_cache.dtype != k_cache.dtype:
         bad(f"dtypes q={q.dtype} k={k_cache.dtype} v={v_cache.dtype}; need q fp16/bf16/fp32, "
-            "caches fp16/bf16/fp32/float8_e4m3fn and k_cache.dtype == v_cache.dtype")
+            "caches fp16/bf16/fp32/float8_e4m3fn/float8_e5m2/int8 and k_cache.dtype == "
+            "v_cache.dtype")
     if dk != d or d < 16 or d > 256 or d & (d - 1):
         bad(f"head_dim must match (q {d}, cache {dk}) and be a power of 2 in [16, 256]")
     if bs < 1 or bs & (bs - 1):

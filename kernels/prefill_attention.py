@@ -9,6 +9,8 @@ tile ids [cu[b] // BLOCK_Q + b, cu[b+1] // BLOCK_Q + b + 1), which holds at leas
 cdiv(qlen_b, BLOCK_Q) ids; the grid is T // BLOCK_Q + B and a program finds its sequence by
 binary search over cu_seqlens_q (ids past a sequence's last tile exit at once).
 Query j of sequence b sits at position L_b - qlen_b + j and sees keys 0..that position.
+8-bit caches (kernels/kv_quant.py): an fp8 head's scales fold into the score scale and the
+output; an int8 cache's per-token scales multiply the scores' columns and p before P.V.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedq.kernels import kv_quant
 from pagedq.kernels.layout import check_paged_qkv
 
 _LOG2E = 1.4426950408889634
@@ -39,13 +42,14 @@ def _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 # compile a new variant (seconds) whenever one of them first turns 1, or a multiple of 16,
 # or a pointer's 16-byte alignment changes (cu_seqlens_q is a slice of a packed buffer).
 @triton.jit(do_not_specialize=["num_seqs", "s_btb"],
-            do_not_specialize_on_alignment=["bt_ptr", "lens_ptr", "cu_ptr"])
+            do_not_specialize_on_alignment=["bt_ptr", "lens_ptr", "cu_ptr", "ks_ptr", "vs_ptr"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr, qk_scale,
-                    v_scale, num_seqs, s_qt, s_qh, s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh,
-                    s_vd, s_btb, s_ot, s_oh,
+                    v_scale, ks_ptr, vs_ptr, ksc_ptr, vsc_ptr, num_seqs, s_qt, s_qh, s_kb, s_kt,
+                    s_kh, s_kd, s_vb, s_vt, s_vh, s_vd, s_btb, s_ot, s_oh, s_scb, s_sct,
                     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                    F32_DOT: tl.constexpr, V_T: tl.constexpr):
+                    F32_DOT: tl.constexpr, V_T: tl.constexpr, HEAD_SCALE: tl.constexpr,
+                    TOKEN_SCALE: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = _find_seq(cu_ptr, pid, num_seqs, BLOCK_Q)
@@ -75,6 +79,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr, qk_s
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
     k_base = k_ptr + kvh * s_kh
     v_base = v_ptr + kvh * s_vh
+    if HEAD_SCALE:
+        qk_scale = qk_scale * tl.load(ks_ptr + kvh)
+        v_scale = v_scale * tl.load(vs_ptr + kvh)
     for start in tl.range(0, kv_end, BLOCK_N):
         kt = start + offs_n
         kmask = kt < kv_end
@@ -86,12 +93,18 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr, qk_s
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if TOKEN_SCALE:  # (0 past kv_end; those columns are masked below)
+            soff = blk * s_scb + slot * s_sct + kvh
+            s = s * tl.load(ksc_ptr + soff, mask=kmask, other=0.0)[None, :]
+            vsc = tl.load(vsc_ptr + soff, mask=kmask, other=0.0)
         visible = kmask[None, :] & (kt[None, :] <= qpos[:, None])
         s = tl.where(visible, s * qk_scale, _NEG)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if TOKEN_SCALE:  # l summed the unscaled p
+            p = p * vsc[None, :]
         if V_T:  # transposed V cache: [D, BLOCK_N] tiles, BS tokens contiguous per block
             voff = blk[None, :] * s_vb + slot[None, :] * s_vt + offs_d[:, None] * s_vd
             voff = tl.max_contiguous(tl.multiple_of(voff, [1, BS]), [1, BS])
@@ -117,9 +130,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, cu_ptr, out_ptr, qk_s
 
 
 
+def _check_failed(msg: str):
+    raise ValueError(f"paged_attention: {msg}")
+
+
 def _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> None:
-    def bad(msg: str):
-        raise ValueError(f"paged_attention: {msg}")
+    bad = _check_failed
 
     if q.dim() != 3:
         bad(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
@@ -143,12 +159,15 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> None:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, scale: float, *, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    cu_seqlens_q: torch.Tensor, scale: float, *, k_scale=1.0, v_scale=1.0,
+                    k_scale_cache: torch.Tensor | None = None,
+                    v_scale_cache: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's paged context (see module doc).
-    k_scale / v_scale: cache dequantisation scales (real = stored * scale; 1.0 = reference).
+    k_scale ... v_scale_cache: an 8-bit cache's scales (kernels/kv_quant.py).
     Requires cu_seqlens_q[-1] == T and qlen_b <= seq_lens[b] (not checked: no host sync)."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    kv_quant.check(_check_failed, k_cache, k_scale, v_scale, k_scale_cache,
+                   v_scale_cache)
     T, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     B = seq_lens.shape[0]
@@ -161,12 +180,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_n = 64 if d <= 128 else 32
     f32_dot = q.dtype == torch.float32 or q.device.type == "cpu"  # see decode_attention
     grid = (T // block_q + B, hkv)
+    ks, vs, head, _, (ksc, vsc), s_sc = kv_quant.kernel_args(k_cache, k_scale, v_scale,
+                                                             k_scale_cache, v_scale_cache)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
-        scale * k_scale * _LOG2E, v_scale, B,
+        scale * _LOG2E, 1.0, ks, vs, ksc, vsc, B,
         q.stride(0), q.stride(1), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), *s_sc,
         G=g, D=d, BS=bs, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        F32_DOT=f32_dot, V_T=v_cache.stride(1) == 1, num_warps=4,
+        F32_DOT=f32_dot, V_T=v_cache.stride(1) == 1, HEAD_SCALE=head,
+        TOKEN_SCALE=k_scale_cache is not None, num_warps=4,
         num_stages=2 if d > 128 else 3)
     return out

@@ -7,23 +7,34 @@ import sys
 
 import torch
 
-from pagedq.kernels import quant_layout
+from pagedq.kernels import kv_quant, quant_layout
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale=1.0,
+                  v_scale=1.0, k_scale_cache: torch.Tensor | None = None,
+                  v_scale_cache: torch.Tensor | None = None) -> None:
     """Write key/value [T, Hkv, D] into the caches at slot_mapping [T]; slot -1 is skipped.
-    Indexes (block, offset), so a transposed_view cache (kernels/layout.py) works too."""
+    8-bit caches store kv_quant.quantize's values (fp8: divided by k_scale / v_scale; int8:
+    codes, their scales into the scale caches). Indexes (block, offset), so a
+    transposed_view cache (kernels/layout.py) works too."""
     bs = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blk, off = slots // bs, slots % bs
-    k_cache[blk, off] = key[keep].to(k_cache.dtype)
-    v_cache[blk, off] = value[keep].to(v_cache.dtype)
+    for x, cache, scale, sc in ((key, k_cache, k_scale, k_scale_cache),
+                                (value, v_cache, v_scale, v_scale_cache)):
+        codes, s = kv_quant.quantize(x[keep], cache.dtype, scale)
+        if cache.element_size() == 1:  # (no index_put for float8 on every device)
+            cache, codes = cache.view(torch.uint8), codes.view(torch.uint8)
+        cache[blk, off] = codes
+        if s is not None:
+            sc[blk, off] = s
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence from the paged cache: [length, Hkv, D]."""
+    """The first ``length`` tokens of one sequence from the paged cache: [length, Hkv, D]
+    (or, of a scale cache [num_blocks, block_size, Hkv], [length, Hkv])."""
     bs = cache.shape[1]
     nblocks = (length + bs - 1) // bs
     blocks = block_table[:nblocks].long()
@@ -32,27 +43,33 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, scale: float) -> torch.Tensor:
+                    cu_seqlens_q: torch.Tensor, scale: float, *, k_scale=1.0, v_scale=1.0,
+                    k_scale_cache: torch.Tensor | None = None,
+                    v_scale_cache: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's paged context.
 
     Query j (0-based) of sequence b sits at position seq_lens[b] - qlen_b + j and attends
     to keys 0..that position. Covers prefill, chunked prefill with a cached prefix, and
-    decode (qlen 1). GQA: query head h reads KV head h // (Hq // Hkv).
+    decode (qlen 1). GQA: query head h reads KV head h // (Hq // Hkv). 8-bit caches are
+    read as kv_quant.dequantize's float32 values (k_scale ... v_scale_cache: its doc).
     """
     out = torch.empty_like(q)
     hq, hkv = q.shape[1], k_cache.shape[2]
     group = hq // hkv
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+
+    def real(cache, s, sc, b, length):
+        tok = None if sc is None else gather_kv(sc, block_tables[b], length)
+        x = kv_quant.dequantize(gather_kv(cache, block_tables[b], length), s, tok)
+        return x.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, L, D]
     for b, length in enumerate(lens):
         s, e = cu[b], cu[b + 1]
         if e == s:
             continue
         qb = q[s:e].float().transpose(0, 1)  # [Hq, qlen, D]
-        k = gather_kv(k_cache, block_tables[b], length).float().transpose(0, 1)
-        v = gather_kv(v_cache, block_tables[b], length).float().transpose(0, 1)
-        k = k.repeat_interleave(group, dim=0)
-        v = v.repeat_interleave(group, dim=0)
+        k = real(k_cache, k_scale, k_scale_cache, b, length)
+        v = real(v_cache, v_scale, v_scale_cache, b, length)
         scores = (qb @ k.transpose(1, 2)) * scale  # [Hq, qlen, L]
         qpos = torch.arange(length - (e - s), length, device=q.device).unsqueeze(1)
         kpos = torch.arange(length, device=q.device).unsqueeze(0)
@@ -63,11 +80,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, order: torch.Tensor | None = None) -> torch.Tensor:
+                           scale: float, order: torch.Tensor | None = None,
+                           **scales) -> torch.Tensor:
     """Decode: q [B, Hq, D], one query per sequence at its last position. ``order``
-    (the Triton kernel's launch order of the rows) changes no result: ignored here."""
+    (the Triton kernel's launch order of the rows) changes no result: ignored here.
+    ``scales``: paged_attention's k_scale ... v_scale_cache."""
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, scale)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, scale, **scales)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,34 +143,28 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return rot(q), rot(k)
 
 
-def scaled_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x / scale as the store kernels compute it (float32 times the inverse); x at 1.0."""
-    return x if scale == 1.0 else x.float() * (1.0 / scale)
-
-
 def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, q_weight: torch.Tensor | None,
-                       k_weight: torch.Tensor | None, eps: float, *, k_scale: float = 1.0,
-                       v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       k_weight: torch.Tensor | None, eps: float,
+                       **scales) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head rms_norm of q and k (Qwen3; weights None: none), apply_rotary, then
-    store_kvcache of the rotated k and v (divided by k_scale / v_scale). Returns the rotated
-    (q, k); the fused kernel (kernels/rope_store.py) rotates q and k in place, this twin
-    returns new tensors: callers use the result."""
+    store_kvcache of the rotated k and v (``scales``: its k_scale ... v_scale_cache).
+    Returns the rotated (q, k); the fused kernel (kernels/rope_store.py) rotates q and k
+    in place, this twin returns new tensors: callers use the result."""
     return rope_store_with(sys.modules[__name__], q, k, v, positions, cos_sin_cache, k_cache,
-                           v_cache, slot_mapping, q_weight, k_weight, eps, k_scale, v_scale)
+                           v_cache, slot_mapping, q_weight, k_weight, eps, **scales)
 
 
 def rope_store_with(ops, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                    q_weight, k_weight, eps, k_scale, v_scale):
+                    q_weight, k_weight, eps, **scales):
     """qk_norm_rope_store composed of ``ops``' rms_norm, apply_rotary and store_kvcache (this
     module's, kernels/cpu.py's, or engine/layers/ops.py's dispatchers for the ablation)."""
     if q_weight is not None:
         q, k = ops.rms_norm(q, q_weight, eps), ops.rms_norm(k, k_weight, eps)
     q, k = ops.apply_rotary(q, k, positions, cos_sin_cache)
-    ops.store_kvcache(scaled_kv(k, k_scale), scaled_kv(v, v_scale), k_cache, v_cache,
-                      slot_mapping)
+    ops.store_kvcache(k, v, k_cache, v_cache, slot_mapping, **scales)
     return q, k
 
 

@@ -3,7 +3,7 @@
 Replaces norm.rms_norm on q and on k (Qwen3 only), rotary.apply_rotary and
 store_kvcache.store_kvcache. Rounds where they do: the normalised head is rounded to its
 dtype, rotated in fp32 from that rounded value and rounded again; the cache gets the
-rotated k (and v) cast to its dtype, times 1 / scale first when scaled. Without the norm
+rotated k (and v) as store_kvcache stores them (8-bit caches: kernels/kv_quant.py). Without the norm
 the result is theirs bit for bit; the norm's sum of squares adds the two halves of a head
 separately, so its statistic may differ from rms_norm's in the last bit.
 
@@ -23,9 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedq.kernels import kv_quant
 from pagedq.kernels.layout import CACHE, FLOAT
 from pagedq.kernels.rotary import check_rotary_inputs
-from pagedq.kernels.store_kvcache import check_slots
+from pagedq.kernels.store_kvcache import (
+    check_slots,
+    fp8_scaled,
+    int8_codes,
+    int8_factors,
+)
 
 
 @triton.jit
@@ -60,28 +66,38 @@ def _norm_rope(x_ptr, s_h, w_ptr, eps, cos, sin, H: tl.constexpr, H_PAD: tl.cons
 @triton.jit
 def _store_rows(c_ptr, slot, x, d0, inv, s_b, s_o, s_h, s_d, H: tl.constexpr,
                 H_PAD: tl.constexpr, N: tl.constexpr, BS: tl.constexpr,
-                SCALED: tl.constexpr):
+                HEAD_SCALE: tl.constexpr, TOP: tl.constexpr, INT8: tl.constexpr):
     """x [H_PAD, N] -> cache elements (slot, h, d0 .. d0 + N - 1) of heads h < H, as
-    store_kvcache does."""
+    store_kvcache stores them (inv: [H_PAD, 1], the heads' 1 / scale or int8 factor)."""
     blk = slot // BS  # int64: no overflow on large caches
     off = slot % BS
     h = tl.arange(0, H_PAD)[:, None]
     d = d0 + tl.arange(0, N)[None, :]
-    if SCALED:
-        x = x.to(tl.float32) * inv
-    tl.store(c_ptr + blk * s_b + off * s_o + h * s_h + d * s_d,
-             x.to(c_ptr.dtype.element_ty), mask=h < H)
+    if INT8:
+        y = int8_codes(x, inv)
+    else:
+        y = fp8_scaled(x, inv, HEAD_SCALE, TOP).to(c_ptr.dtype.element_ty)
+    tl.store(c_ptr + blk * s_b + off * s_o + h * s_h + d * s_d, y, mask=h < H)
+
+
+@triton.jit
+def _inverses(s_ptr, offs_h, hmask):
+    """[H_PAD, 1]: 1 / the heads' scales (IEEE quotients)."""
+    s = tl.load(s_ptr + offs_h, mask=hmask, other=1.0)
+    return tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[:, None]
 
 
 # positions and slot_mapping are slices of packed buffers: their alignment changes with T,
 # which must not compile a new variant mid-run (CUDA graphs capture several T).
-@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr", "ks_ptr", "vs_ptr"])
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
-                       qw_ptr, kw_ptr, eps, k_inv, v_inv, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
-                       s_kcb, s_kco, s_kch, s_kcd, s_vcb, s_vco, s_vch, s_vcd,
+                       qw_ptr, kw_ptr, eps, ks_ptr, vs_ptr, ksc_ptr, vsc_ptr,
+                       s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
+                       s_kcb, s_kco, s_kch, s_kcd, s_vcb, s_vco, s_vch, s_vcd, s_sb, s_so,
                        HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr,
                        HK_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                       BS: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr):
+                       BS: tl.constexpr, NORM: tl.constexpr, HEAD_SCALE: tl.constexpr,
+                       TOP: tl.constexpr, INT8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, HALF)
@@ -94,27 +110,45 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slo
                             HALF, NORM)
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
+            offs_h = tl.arange(0, HK_PAD)
+            hmask = offs_h < HK
+            v = tl.load(v_ptr + t * s_vt + offs_h[:, None] * s_vh + tl.arange(0, D)[None, :],
+                        mask=hmask[:, None], other=0.0)
+            k_inv = 1.0
+            v_inv = 1.0
+            if INT8:  # a head's max |x| over both halves of k
+                k_inv, k_s = int8_factors(tl.maximum(tl.max(tl.abs(k1.to(tl.float32)), 1),
+                                                     tl.max(tl.abs(k2.to(tl.float32)), 1)))
+                v_inv, v_s = int8_factors(tl.max(tl.abs(v.to(tl.float32)), 1))
+                k_inv = k_inv[:, None]
+                v_inv = v_inv[:, None]
+                so = (slot // BS) * s_sb + (slot % BS) * s_so + offs_h
+                tl.store(ksc_ptr + so, k_s, mask=hmask)
+                tl.store(vsc_ptr + so, v_s, mask=hmask)
+            elif HEAD_SCALE:
+                k_inv = _inverses(ks_ptr, offs_h, hmask)
+                v_inv = _inverses(vs_ptr, offs_h, hmask)
             _store_rows(kc_ptr, slot, k1, 0, k_inv, s_kcb, s_kco, s_kch, s_kcd, HK, HK_PAD,
-                        HALF, BS, SCALED)
+                        HALF, BS, HEAD_SCALE, TOP, INT8)
             _store_rows(kc_ptr, slot, k2, HALF, k_inv, s_kcb, s_kco, s_kch, s_kcd, HK,
-                        HK_PAD, HALF, BS, SCALED)
-            offs_h = tl.arange(0, HK_PAD)[:, None]
-            v = tl.load(v_ptr + t * s_vt + offs_h * s_vh + tl.arange(0, D)[None, :],
-                        mask=offs_h < HK, other=0.0)
+                        HK_PAD, HALF, BS, HEAD_SCALE, TOP, INT8)
             _store_rows(vc_ptr, slot, v, 0, v_inv, s_vcb, s_vco, s_vch, s_vcd, HK, HK_PAD, D,
-                        BS, SCALED)
+                        BS, HEAD_SCALE, TOP, INT8)
 
 
 def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, q_weight: torch.Tensor | None,
-                       k_weight: torch.Tensor | None, eps: float, *, k_scale: float = 1.0,
-                       v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       k_weight: torch.Tensor | None, eps: float, *, k_scale=1.0,
+                       v_scale=1.0, k_scale_cache: torch.Tensor | None = None,
+                       v_scale_cache: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMS-normalise each q head by q_weight [D] and each k head by k_weight [D] (both None:
-    no norm), rotate q and k in place, store k / k_scale and v / v_scale at slot_mapping
-    (-1 skipped). Returns (q, k). Positions must be < max_position and slots <
-    num_blocks * block_size (not checked: that would need a host sync)."""
+    no norm), rotate q and k in place, store k and v at slot_mapping (-1 skipped) as
+    store_kvcache does (its k_scale ... v_scale_cache). Returns (q, k). Positions must be
+    < max_position and slots < num_blocks * block_size (not checked: that would need a
+    host sync)."""
     def bad(msg: str):
         raise ValueError(f"qk_norm_rope_store: {msg}")
 
@@ -140,12 +174,11 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (hk, d):
         bad(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv={hk}, D={d}], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.dtype not in CACHE or v_cache.dtype not in CACHE:
-        bad(f"caches must be fp16/bf16/fp32/float8_e4m3fn, got {k_cache.dtype} and "
-            f"{v_cache.dtype}")
+    if k_cache.dtype not in CACHE or v_cache.dtype != k_cache.dtype:
+        bad(f"caches must be fp16/bf16/fp32/float8_e4m3fn/float8_e5m2/int8, both one dtype, "
+            f"got {k_cache.dtype} and {v_cache.dtype}")
     check_slots(bad, k_cache, v_cache, slot_mapping, T)
-    if not (k_scale > 0 and v_scale > 0):
-        bad(f"k_scale and v_scale must be > 0, got {k_scale} and {v_scale}")
+    kv_quant.check(bad, k_cache, k_scale, v_scale, k_scale_cache, v_scale_cache)
     tensors = (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     devs = {x.device for x in tensors + tuple(w for w in (q_weight, k_weight) if w is not None)}
     if len(devs) != 1:
@@ -153,12 +186,15 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if T == 0:
         return q, k
     norm = q_weight is not None
+    ks, vs, head, top, (ksc, vsc), s_sc = kv_quant.kernel_args(k_cache, k_scale, v_scale,
+                                                     k_scale_cache, v_scale_cache)
     _rope_store_kernel[(T, 2)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-        q_weight if norm else q, k_weight if norm else k, float(eps),
-        1.0 / k_scale, 1.0 / v_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), *k_cache.stride(), *v_cache.stride(),
+        q_weight if norm else q, k_weight if norm else k, float(eps), ks, vs, ksc, vsc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), *k_cache.stride(), *v_cache.stride(), *s_sc,
         HQ=hq, HQ_PAD=triton.next_power_of_2(hq), HK=hk, HK_PAD=triton.next_power_of_2(hk),
-        D=d, HALF=d // 2, BS=k_cache.shape[1], NORM=norm,
-        SCALED=k_scale != 1.0 or v_scale != 1.0, num_warps=4)
+        D=d, HALF=d // 2, BS=k_cache.shape[1], NORM=norm, HEAD_SCALE=head, TOP=top,
+        INT8=k_cache.dtype == torch.int8, num_warps=4,
+        enable_fp_fusion=k_cache.dtype != torch.int8)  # (store_kvcache.int8_codes)
     return q, k

@@ -17,6 +17,7 @@ from tests.test_kernels import (
     GPU_CTX,
     HEADS,
     HF,
+    TOL,
     check_decode,
     check_decode_order,
     cpu,
@@ -44,8 +45,10 @@ def test_swap8_cpu(poison, splits):
     """The engine's fp8 layout; NaN past each sequence's end in its last block."""
     check_decode(CTX, 8, 2, 64, 16, BF, kv_dtype=FP8, ks=0.5, vs=2.0, v_t=True,
                  variant="swap8", num_splits=splits)
+    # swap8's q and p carry about 8 significant bits (two e4m3 terms): bf16's precision,
+    # whatever q's dtype (fp16's bound failed about once in 40 draws: relerr 1.7-3.0e-3)
     check_decode(CTX, 16, 2, 32, 8, HF, kv_dtype=FP8, v_t=True, variant="swap8",
-                 num_splits=splits, block_n=32)
+                 num_splits=splits, block_n=32, tol=TOL[BF])
 
 
 @cpu
@@ -73,7 +76,7 @@ def test_parse_variant_and_defaults(monkeypatch):
         with pytest.raises(ValueError, match="decode variant"):
             dec.parse_variant(bad)
     with pytest.raises(ValueError, match="cache kind"):
-        dec.use_variant("int8", "swap")
+        dec.use_variant("int4", "swap")
     monkeypatch.setitem(dec.DEFAULTS, "fp8", "tile")
     dec.use_variant("fp8", "swap8:bn=32")
     assert dec.DEFAULTS["fp8"] == "swap8:bn=32"
@@ -116,7 +119,7 @@ def test_variants_gpu(poison, hq, hkv, d):
     for splits in (None, 1):
         check_decode(GPU_CTX, hq, hkv, d, 16, BF, variant="swap", num_splits=splits)
         check_decode(GPU_CTX, hq, hkv, d, 16, HF, kv_dtype=FP8, ks=0.5, vs=2.0, v_t=True,
-                     variant="swap8", num_splits=splits)
+                     variant="swap8", num_splits=splits, tol=TOL[BF])  # (test_swap8_cpu)
 
 
 @pytest.mark.gpu

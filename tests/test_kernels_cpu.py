@@ -11,10 +11,12 @@ import torch
 
 from pagedq.engine.layers import ops
 from pagedq.kernels import cpu as C
+from pagedq.kernels import kv_quant
 from pagedq.kernels import reference as R
 from pagedq.kernels.layout import transposed_view
 
 F32, BF, FP8 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
+E5M2, I8 = torch.float8_e5m2, torch.int8
 
 
 def paged_batch(ctx, qlens, hq, hkv, d, bs, dtype=F32, kv_dtype=None, seed=0):
@@ -85,6 +87,36 @@ def test_paged_attention_low_precision_and_transposed_v(dtype, kv_dtype, ctx, ql
     assert_matches(C.paged_attention(q, kc, vc, bt, lens, cu, 32 ** -0.5), ref, dtype)
 
 
+def as_transposed(cache):
+    t = transposed_view(torch.empty(cache.shape, dtype=cache.dtype))
+    t.view(torch.uint8 if cache.element_size() == 1 else cache.dtype).copy_(
+        cache.view(torch.uint8) if cache.element_size() == 1 else cache)
+    return t
+
+
+@pytest.mark.parametrize("kv_dtype,head", [(E5M2, False), (I8, False), (FP8, True)],
+                         ids=["e5m2", "int8", "e4m3-head-scales"])
+@pytest.mark.parametrize("ctx,qlens", [CASES[0], CASES[1], CASES[3]])
+@pytest.mark.parametrize("v_t", [False, True])
+def test_paged_attention_8bit_caches(kv_dtype, head, ctx, qlens, v_t):
+    """kernels/kv_quant.py's caches, quantized from float caches with NaN in unowned slots
+    (an int8 row of NaN gets a NaN scale): decode and prefill groups against the twin."""
+    q, kc, vc, bt, lens, cu = paged_batch(ctx, qlens, 9, 3, 32, 16, BF)
+    kq = dict(k_scale=torch.tensor([0.5, 1.0, 3.0]), v_scale=torch.tensor([2.0, 0.25, 1.0])) \
+        if head else {}
+    kc, ksc = kv_quant.quantized_cache(kc.float() * 3, kv_dtype, kq.get("k_scale", 1.0))
+    vc, vsc = kv_quant.quantized_cache(vc.float(), kv_dtype, kq.get("v_scale", 1.0))
+    if ksc is not None:
+        kq = dict(k_scale_cache=ksc, v_scale_cache=vsc)
+    if v_t:
+        vc = as_transposed(vc)
+    ref = R.paged_attention(q, kc, vc, bt, lens, cu, 32 ** -0.5, **kq)
+    assert_matches(C.paged_attention(q, kc, vc, bt, lens, cu, 32 ** -0.5, **kq), ref, BF)
+    if all(n == 1 for n in qlens):
+        assert_matches(C.paged_decode_attention(q, kc, vc, bt, lens, 32 ** -0.5, **kq), ref,
+                       BF)
+
+
 def test_step_metadata_is_reused_only_for_the_same_tensors():
     """The plan derived from one step's metadata is not applied to another step's, nor to
     a (non-inference) tensor changed in place."""
@@ -98,20 +130,29 @@ def test_step_metadata_is_reused_only_for_the_same_tensors():
                    R.paged_decode_attention(q, kc, vc, bt, shorter, 1.0), F32)
 
 
-@pytest.mark.parametrize("kv_dtype", [F32, BF, FP8])
+@pytest.mark.parametrize("kv_dtype", [F32, BF, FP8, E5M2, I8, "e4m3-head-scales"])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_store_kvcache_matches_twin(kv_dtype, transposed):
     nb, bs, h, d = 6, 8, 2, 32
-    key, value = torch.randn(7, h, d), torch.randn(7, h, d)
+    key, value = 30 * torch.randn(7, h, d), torch.randn(7, h, d)  # (some keys past 448)
     slots = torch.tensor([3, -1, 40, 17, 47, -1, 0])
+    kq = {}
+    if kv_dtype == "e4m3-head-scales":
+        kv_dtype, kq = FP8, dict(k_scale=torch.tensor([0.3, 2.0]), v_scale=0.5)
     caches = []
     for _ in range(2):
         k, v = torch.zeros(nb, bs, h, d, dtype=kv_dtype), torch.zeros(nb, bs, h, d, dtype=kv_dtype)
-        caches.append((k, transposed_view(v) if transposed else v, v))
-    C.store_kvcache(key, value, caches[0][0], caches[0][1], slots)
-    R.store_kvcache(key, value, caches[1][0], caches[1][1], slots)
+        if kv_dtype == I8:
+            kq = dict(k_scale_cache=torch.zeros(nb, bs, h), v_scale_cache=torch.zeros(nb, bs, h))
+        caches.append((k, transposed_view(v) if transposed else v, v, kq))
+    C.store_kvcache(key, value, caches[0][0], caches[0][1], slots, **caches[0][3])
+    R.store_kvcache(key, value, caches[1][0], caches[1][1], slots, **caches[1][3])
     for a, b in zip(caches[0][::2], caches[1][::2], strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for name, t in caches[0][3].items():
+        if isinstance(t, torch.Tensor) and t.dim() == 3:  # int8's scale caches
+            assert torch.equal(t, caches[1][3][name]) and t.view(-1, h)[3].all()
+    assert torch.isfinite(caches[0][0].float()).all()  # saturated, never NaN or inf
 
 
 @pytest.mark.parametrize("dtype", [F32, BF])
@@ -145,14 +186,15 @@ def test_rotary_equals_twin_bit_for_bit(dtype, side_by_side):
     assert torch.equal(qkv, before)  # inputs untouched
 
 
-@pytest.mark.parametrize("dtype,kv_dtype", [(F32, F32), (BF, BF), (F32, FP8), (BF, FP8)])
+@pytest.mark.parametrize("dtype,kv_dtype", [(F32, F32), (BF, BF), (F32, FP8), (BF, FP8),
+                                            (BF, E5M2), (F32, I8), (BF, I8)])
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("disabled", [False, True])
 def test_qk_norm_rope_store_equals_twin_bit_for_bit(monkeypatch, dtype, kv_dtype, qk_norm,
                                                     disabled):
-    """Views of one qkv projection, GQA 4/2, a slot -1 row, fp8 caches with V transposed and
-    scales; through ops (the CPU module, or the unfused ops when the fused one is disabled
-    for an ablation) against the twin."""
+    """Views of one qkv projection, GQA 4/2, a slot -1 row, 8-bit caches with V transposed
+    (fp8: scales, per head for K; int8: scale caches); through ops (the CPU module, or the
+    unfused ops when the fused one is disabled for an ablation) against the twin."""
     if disabled:
         monkeypatch.setattr(ops, "_disabled", {"qk_norm_rope_store"})
     g = torch.Generator().manual_seed(3)
@@ -162,16 +204,19 @@ def test_qk_norm_rope_store_equals_twin_bit_for_bit(monkeypatch, dtype, kv_dtype
     w = [torch.randn(d, generator=g).to(dtype) for _ in range(2)] if qk_norm else [None] * 2
     pos = torch.tensor([0, 7, 3, 63, 20, 5])
     slots = torch.tensor([3, -1, 30, 17, 31, 0])
-    scales = dict(k_scale=0.5, v_scale=2.0) if kv_dtype == FP8 else {}
+    scales = dict(k_scale=torch.tensor([0.5, 3.0]), v_scale=2.0) if kv_dtype == FP8 else {}
     out, caches = [], []
     for fn in (ops.qk_norm_rope_store, R.qk_norm_rope_store):
         buf = qkv.clone()
         kc, vs = (torch.zeros(nb, bs, 2, d, dtype=kv_dtype) for _ in range(2))
-        vc = transposed_view(vs) if kv_dtype == FP8 else vs
+        vc = transposed_view(vs) if kv_dtype.itemsize == 1 else vs
+        if kv_dtype == I8:
+            scales = dict(k_scale_cache=torch.zeros(nb, bs, 2), v_scale_cache=torch.zeros(nb, bs, 2))
         q, k, v = buf[:, :128].view(6, 4, d), buf[:, 128:192].view(6, 2, d), \
             buf[:, 192:].view(6, 2, d)
         out.append(fn(q, k, v, pos, cache, kc, vc, slots, *w, 1e-6, **scales))
-        caches.append((kc, vs))
+        caches.append((kc, vs) + tuple(t for t in scales.values()
+                                       if isinstance(t, torch.Tensor) and t.dim() == 3))
     for a, b in zip(out[0] + caches[0], out[1] + caches[1], strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert caches[0][0].view(torch.uint8)[0, 3].any()  # slot 3 written (k)

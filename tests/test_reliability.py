@@ -354,13 +354,19 @@ if __name__ == "__main__":
     sys.exit(subprocess.call([sys.executable, "-m", "pytest", "-q", __file__]))
 
 
-def test_worker_with_fp8_kv_cache_serves_jobs(svc):
-    svc.worker(extra=["--kv-cache-dtype", "fp8"])
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2", "int8"])
+def test_worker_with_8bit_kv_cache_serves_jobs(svc, kv):
+    """Each 8-bit KV cache end to end: its ready line names it; jobs through Redis."""
+    w = svc.worker(extra=["--kv-cache-dtype", kv])
     c = svc.client()
-    jobs = [gen(c, f"fp8 {i}", max_tokens=6, temperature=1.0) for i in range(3)]
+    jobs = [gen(c, f"{kv} {i}", max_tokens=6, temperature=1.0) for i in range(3)]
+    jobs.append(gen(c, "greedy", max_tokens=6, temperature=0.0))
     for job in jobs:
         rec, _ = check_consistent(c, job)
         assert rec.status == "finished" and rec.usage.completion_tokens == 6
+    names = {"fp8": "float8_e4m3fn, scales fitted", "fp8_e5m2": "float8_e5m2",
+             "int8": "int8, scale per token"}
+    assert names[kv] in w.log(tail=None)
 
 
 def test_worker_noise_seed_is_per_process_unless_given():

@@ -42,10 +42,17 @@ class EngineConfig:
         "float); another method is a configuration error",
         choices=("auto", "awq", "gptq", "gguf", "none"), flag_choices=True,
         default_help="as the checkpoint is quantized")
+    # the storage of each (engine/kv_cache.py) and its contract (kernels/kv_quant.py)
     kv_cache_dtype: str = setting(
-        "auto", "model", "`fp8`: a float8_e4m3 KV cache, unit scale, twice the tokens per "
-        "GiB (accuracy: docs/benchmarks.md); `fp8_e4m3` is the same",
-        choices=("auto", "fp8", "fp8_e4m3"), flag_choices=True, default_help="the model dtype")
+        "auto", "model", "the KV cache's values: 8-bit ones hold twice the tokens of a 16-bit "
+        "cache per GiB (accuracy: docs/benchmarks.md). `fp8` (`fp8_e4m3`): float8_e4m3, a "
+        "scale per layer and KV head from the checkpoint (vLLM's `k_scale` / `v_scale` "
+        "names), else fitted to the first prefill (docs/design.md); a CUDA device needs "
+        "compute capability 8.9. `fp8_e5m2`: float8_e5m2, unit scales. `int8`: int8 "
+        "codes and a float32 scale per token and KV head stored beside them (4 bytes per "
+        "head_dim codes)",
+        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"), flag_choices=True,
+        default_help="the model dtype")
     max_model_len: int | None = setting(
         None, "model", "longest sequence, prompt + output; a longer prompt fails with the "
         "model-length error", low=1, metavar="N",

@@ -96,7 +96,7 @@ def describe(engine: Any, cfg: Any, worker_id: str) -> str:
 
     r, c, s = engine.runner, engine.config, cfg.service
     dtype = str(r.dtype).removeprefix("torch.")
-    kv_dtype = str(r.kv_cache_dtype).removeprefix("torch.")
+    kv_dtype = r.kv_label
     blocks = r.num_kv_blocks
     gib = r.kv_cache_bytes / 2**30
     kv = f"KV cache {blocks:,} blocks x {c.block_size} = {blocks * c.block_size:,} tokens " \

@@ -88,18 +88,21 @@ def _op(name: str, x: torch.Tensor):
     return fn
 
 
-def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
-    _op("store_kvcache", key)(key, value, k_cache, v_cache, slot_mapping)
+# ``kq`` below: an 8-bit cache's scales, k_scale / v_scale / k_scale_cache / v_scale_cache
+# (kernels/kv_quant.py); none for a 16-bit cache.
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping, **kq) -> None:
+    _op("store_kvcache", key)(key, value, k_cache, v_cache, slot_mapping, **kq)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale):
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, **kq):
     return _op("paged_attention", q)(q, k_cache, v_cache, block_tables, seq_lens,
-                                     cu_seqlens_q, scale)
+                                     cu_seqlens_q, scale, **kq)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, order=None):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, order=None,
+                           **kq):
     return _op("paged_decode_attention", q)(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                            order)
+                                            order, **kq)
 
 
 def decode_order(seq_lens):
@@ -125,7 +128,7 @@ def apply_rotary(q, k, positions, cos_sin_cache):
 
 
 def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                       q_weight, k_weight, eps, *, k_scale=1.0, v_scale=1.0):
+                       q_weight, k_weight, eps, **kq):
     """Per-head q/k RMSNorm (weights None: none), rotary, K/V store; returns rotated (q, k).
     Disabled (ablation), it runs the ops it fuses, each dispatched as usual: the unfused
     Triton kernels on CUDA unless they are disabled too (all four: the twins; the twin's
@@ -133,10 +136,9 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot
     if ablated("qk_norm_rope_store"):
         return reference.rope_store_with(sys.modules[__name__], q, k, v, positions,
                                          cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                         q_weight, k_weight, eps, k_scale, v_scale)
+                                         q_weight, k_weight, eps, **kq)
     return _op("qk_norm_rope_store", q)(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
-                                        slot_mapping, q_weight, k_weight, eps,
-                                        k_scale=k_scale, v_scale=v_scale)
+                                        slot_mapping, q_weight, k_weight, eps, **kq)
 
 
 def gumbel_argmax(logits, temperature, keys, vocab_size):

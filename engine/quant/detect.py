@@ -54,6 +54,11 @@ def detect(source, requested: str = "auto", dummy: bool = False) -> QuantSpec | 
         return None
     where, qc = found
     method = _method(where, qc)
+    if kv_cache_only(qc):  # plain weights; the runner reads the KV scales (engine/kv_scales.py)
+        if requested not in ("auto", "none"):
+            raise ValueError(f"model {source.name} quantizes only its KV cache ({where}: "
+                             f"{method}), its weights are plain; give --quantization auto")
+        return None
     if method not in METHODS:
         raise ValueError(f"model {source.name} is quantized with {method} ({where}), which "
                          f"pagedq does not serve; it serves {SERVED} checkpoints")
@@ -91,6 +96,20 @@ def quant_config(folder: Path) -> tuple[str, dict[str, Any]] | None:
             qc = _json(folder / name)
             return name, {"quant_method": method, **qc}
     return None
+
+
+def kv_cache_only(qc: dict[str, Any]) -> bool:
+    """A quantization config that quantizes the KV cache and no weight: compressed-tensors
+    with a kv_cache_scheme and no config_groups; ModelOpt with a kv_cache_quant_algo and no
+    quant_algo."""
+    m = str(qc.get("quant_method") or "").lower()
+    if m == "compressed-tensors":
+        return bool(qc.get("kv_cache_scheme")) and not qc.get("config_groups")
+    if m == "modelopt":
+        inner = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
+        return bool(inner.get("kv_cache_quant_algo")) and \
+            str(inner.get("quant_algo") or "none").lower() == "none"
+    return False
 
 
 def _json(path: Path) -> dict[str, Any]:
