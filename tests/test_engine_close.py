@@ -225,7 +225,9 @@ def lifetime_in_a_fresh_process(device: str, model: str, engines: int, **config)
 
     res = subprocess.run([sys.executable, "-m", "tests.engine_lifetime_child", device, model,
                           str(engines), json.dumps(config)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+                         text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(
+                                 os.pathsep) if p])})
     assert res.returncode == 0, res.stdout + res.stderr
     return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
 
