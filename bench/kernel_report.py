@@ -26,6 +26,9 @@ import tempfile
 
 if not __package__:  # run as a script: the checkout's root, not bench/, leads sys.path
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# compiled for sm_90, never interpreted: a caller's TRITON_INTERPRET=1 (the test suite sets it
+# for its CPU checks) would make the kernels below InterpretedFunctions, which cannot compile
+os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
