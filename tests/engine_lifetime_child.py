@@ -16,6 +16,43 @@ import sys  # noqa: E402
 import weakref  # noqa: E402
 
 
+def kept_by(ref: weakref.ref) -> dict:
+    """What keeps ``ref``'s object alive: the reference cycle a collection finds (its
+    objects' types, the frames and functions in it), or, if none, the referrer chain up
+    from the object (a global keeps it). Collects: the cycle is freed afterwards."""
+    from collections import Counter
+
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    gc.collect()
+    gc.set_debug(0)
+    garbage, gc.garbage[:] = list(gc.garbage), []
+    names = Counter(type(o).__module__ + "." + type(o).__qualname__ for o in garbage)
+    where = sorted({f"{o.f_code.co_filename}:{o.f_lineno} {o.f_code.co_name}"
+                    for o in garbage if type(o).__name__ == "frame"}
+                   | {f"function {o.__module__}.{o.__qualname__}" for o in garbage
+                      if type(o).__name__ == "function"})
+    out = {"cycle_types": names.most_common(25), "cycle_code": where[:40]}
+    obj = ref()
+    del garbage
+    gc.collect()
+    if ref() is not None and obj is not None:  # no cycle: a chain of referrers
+        chain, seen = [], {id(obj)}
+        for _ in range(8):
+            refs = [r for r in gc.get_referrers(obj) if id(r) not in seen
+                    and type(r).__name__ != "frame" and r is not chain]
+            if not refs:
+                break
+            obj = refs[0]
+            del refs  # (it would be the next object's first referrer)
+            seen.add(id(obj))
+            keys = ([k for k, v in obj.items() if v is not None][:6]
+                    if isinstance(obj, dict) else [])
+            chain.append(f"{type(obj).__module__}.{type(obj).__qualname__} {keys}")
+        out["chain"] = chain
+    del obj
+    return out
+
+
 def main() -> None:
     device, model, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
     config = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
@@ -41,7 +78,10 @@ def main() -> None:
         del eng, outs
         alive = [name for name, ref in refs.items() if ref() is not None]
         grown = (torch.cuda.memory_allocated() - start) if cuda else 0
-        print(json.dumps({"engine": k, "alive": alive, "grown_bytes": grown}), flush=True)
+        line = {"engine": k, "alive": alive, "grown_bytes": grown}
+        if alive:  # what keeps it (then freed, so that the next engine has its memory)
+            line["kept_by"] = kept_by(refs[alive[-1]])
+        print(json.dumps(line), flush=True)
     gc.set_debug(gc.DEBUG_SAVEALL)
     gc.collect()
     kept = sorted({type(o).__module__ + "." + type(o).__qualname__ for o in gc.garbage
