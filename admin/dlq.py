@@ -39,7 +39,7 @@ from pagedq.wire.keys import JOB_ID_RE, Keys, check_job_id
 from pagedq.wire.schema import JobRequest, describe
 from pagedq.wire.settings import Settings
 
-# The worker keeps this many characters of a dead-lettered body (worker/intake.py
+# The worker keeps this many characters of a dead-lettered body (worker/admission.py
 # DLQ_BODY_CHARS; tests/test_inspect.py checks that they agree).
 BODY_CHARS = 4096
 REQUEUED_FROM = "pagedq.requeued_from"

@@ -308,5 +308,5 @@ def test_requeue_request_and_ids():
 
 
 def test_body_chars_agree_with_the_worker():
-    from pagedq.worker.intake import DLQ_BODY_CHARS
+    from pagedq.worker.admission import DLQ_BODY_CHARS
     assert BODY_CHARS == DLQ_BODY_CHARS

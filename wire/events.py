@@ -1,7 +1,7 @@
 """A job's event log (``{P}:out:{id}``) as a sequence: event k at entry id ``0-(k+1)``
 (docs/protocol.md). What every reader of a log shares: the clients' reading protocol
 (producer/reader.py) reads on from a ``Cursor``; a worker taking a job over ``replay``s what
-earlier attempts published (worker/intake.py).
+earlier attempts published (worker/admission.py).
 """
 from __future__ import annotations
 

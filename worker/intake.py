@@ -1,15 +1,8 @@
-"""Intake: reading entries (own pending, reclaimed, new), validating them and starting
-them in the engine. A part of the worker (worker/service.py composes it): it adds jobs to
-the service's table of owned jobs and hands jobs that end at once to ``end_job``. While
-the engine is busy, new entries are read, parsed and STARTed on a reader thread, one read
-at a time; everything else, and everything touching the engine or ``jobs``, runs on the
-engine thread.
-
-Invariant: a job enters ``jobs`` only after the START script made this worker its owner
-(attempt bumped, status running); anything that cannot run is dead-lettered and acked in
-one script (REJECT), so no entry is left pending by a live worker, but one whose START a
-full Redis refused (``Read.deferred``): it stays pending, and the worker reads its own
-pending entries again once Redis takes writes (``deferred``).
+"""Intake: reading entries (own pending, reclaimed, new) and handing each to admission
+(worker/admission.py: parse, START, start in the engine). A part of the worker
+(worker/service.py composes it). While the engine is busy, new entries are read, parsed
+and STARTed on a reader thread, one read at a time; everything else, and everything
+touching the engine or the job table (worker/job_table.py), runs on the engine thread.
 
 New jobs wait in each lane's inbox (SUBMIT's): how they are moved into the jobs streams and
 read, idle or busy, on a single Redis or a cluster, is worker/reads.py.
@@ -22,36 +15,22 @@ Every entry is handled with the keys of the key space whose stream it came from.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from enum import StrEnum
 
-import redis
-
-from pagedq.wire import script
-from pagedq.wire.events import replay
 from pagedq.wire.keys import GROUP, Keys
-from pagedq.wire.schema import FinishReason, JobRequest, Status
-from pagedq.wire.worker_scripts import NAMES as WORKER_SCRIPTS
-from pagedq.wire.worker_scripts import Reject, Start, Started, StartKind
-from pagedq.worker import chat, faults, lanes, tenants
-from pagedq.worker.jobs import (
-    BadEntry,
-    Job,
-    WorkerIdentity,
-    parse_entry,
-    sampling_params,
-)
+from pagedq.worker import faults, lanes, tenants
+from pagedq.worker.admission import Admission, Read
+from pagedq.worker.job_table import JobTable
+from pagedq.worker.jobs import WorkerIdentity
 from pagedq.worker.metrics import Metrics
 from pagedq.worker.pacing import StepPacer
 from pagedq.worker.publisher import Publisher
 from pagedq.worker.reads import NewEntries
 from pagedq.worker.recovery import reclaim
 
-DLQ_BODY_CHARS = 4096
 LOWER_LANE_POLL_S = 0.1  # a busy worker looks at an empty lower lane this often
 # a busy worker admits at most this many new entries per poll (each costs the engine thread
 # a START round trip, parsing and engine.add_request: 0.6-0.7 ms on a dev machine's CPU): the
@@ -60,46 +39,15 @@ LOWER_LANE_POLL_S = 0.1  # a busy worker looks at an empty lower lane this often
 BUSY_ADMIT_MAX = 32
 
 
-class Read(StrEnum):
-    """Where an entry read is on its way to admission."""
-
-    deleted = "deleted"  # no fields left: ack it
-    bad = "bad"  # dead-letter it (``error``)
-    running = "running"  # already this worker's: nothing to do
-    parsed = "parsed"  # ``req``; START is next
-    started = "started"  # START made this worker its owner (``started``)
-    deferred = "deferred"  # a full Redis refused START: left pending, read again later
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class EntryRead:
-    """An entry read, on its way to admission (``kind``)."""
-    keys: Keys
-    lane: str
-    entry_id: str
-    fields: dict[str, str] | None
-    kind: Read
-    req: JobRequest | None = None
-    started: Started | None = None
-    error: str = ""
-    job_id: str = ""
-
-
 class Intake:
     def __init__(self, ident: WorkerIdentity, engine, publisher: Publisher, metrics: Metrics,
-                 pacer: StepPacer, jobs: dict[str, Job],
-                 end_job: Callable[..., None], log) -> None:
-        """``jobs``: the service's table of owned jobs (intake adds to it, and removes a
-        job it dead-letters); ``end_job(job, status, reason, error="")``: how a job that
-        ends at admission is finished (expired, replayed to its end, too slow)."""
+                 pacer: StepPacer, jobs: JobTable, log) -> None:
+        """``jobs``: the worker's job table (read here for the seats held; admission
+        changes it)."""
         self.ident, self.r, self.s = ident, ident.r, ident.settings
         self.model, self.worker_id = ident.model, ident.worker_id
-        self.engine, self.publisher, self.metrics, self.pacer = engine, publisher, metrics, pacer
-        self.jobs, self.end_job, self.log = jobs, end_job, log
-        # entries of ours left pending because Redis refused their START for memory: the
-        # service reads its own pending entries again once Redis takes writes
-        self.deferred = False
-        self.starts = 0  # entries STARTed (Redis took the write), for the service's health
+        self.engine, self.metrics, self.jobs, self.log = engine, metrics, jobs, log
+        self.admission = Admission(ident, engine, publisher, metrics, pacer, jobs, log)
         # ``on_stream_made(stream)``: set by the service (a stream that vanished, made again)
         self.new = NewEntries(ident, lambda stream: self.on_stream_made(stream))
         self.on_stream_made: Callable[[str], None] = lambda stream: None
@@ -132,7 +80,13 @@ class Intake:
     @property
     def writes(self) -> int:
         """MOVE rounds and STARTs Redis took so far: one more says it is not full."""
-        return self.starts + self.new.moves
+        return self.admission.starts + self.new.moves
+
+    def take_deferred(self) -> bool:
+        """Whether Redis refused a START for memory since the last call (those entries
+        are left pending: the service reads its own pending entries again)."""
+        deferred, self.admission.deferred = self.admission.deferred, False
+        return deferred
 
     def has_backlog(self) -> bool:
         for lane in self.ident.lanes:
@@ -253,11 +207,10 @@ class Intake:
         if faults.FAILPOINTS:
             faults.maybe_raise("intake_read", [f.get("job", "") for es in taken.values()
                                                for _, f in es if f])
-        reads = [self._parse(k, lane, entry_id, fields)
-                 for k, entries in taken.items() for entry_id, fields in entries]
-        parsed = [i for i, e in enumerate(reads) if e.kind is Read.parsed]
-        for i, reply in zip(parsed, self._start_many([reads[i] for i in parsed]), strict=True):
-            reads[i] = self._started(reads[i], reply)
+        reads, trips = self.admission.start_many([
+            self.admission.parse(k, lane, entry_id, fields)
+            for k, entries in taken.items() for entry_id, fields in entries])
+        self.read_round_trips += trips
         return lane, take, room, reads
 
     def _collect(self, wait: bool) -> None:
@@ -269,7 +222,7 @@ class Intake:
         self._inflight = None
         lane, take, room, reads = fut.result()
         for e in reads:
-            self._admit_read(e, 1)
+            self.admission.admit(e, 1)
         n = len(reads)
         rank = self.ident.lanes.index(lane)
         wait_s = self.s.intake_poll_ms / 1000.0 if rank == 0 else LOWER_LANE_POLL_S
@@ -295,207 +248,8 @@ class Intake:
     def _admit(self, keys: Keys, lane: str, entry_id: str, fields: dict[str, str] | None,
                deliveries: int) -> None:
         """Parse, START and start one entry, all on the engine thread."""
-        e = self._parse(keys, lane, entry_id, fields)
+        e = self.admission.parse(keys, lane, entry_id, fields)
         if e.kind is Read.parsed:
             self.round_trips += 1
-            e = self._started(e, self._start_reply(e))
-        self._admit_read(e, deliveries)
-
-    def _parse(self, keys: Keys, lane: str, entry_id: str,
-               fields: dict[str, str] | None) -> EntryRead:
-        """Admission's first step, on either thread: the entry's request, or why it has
-        none."""
-        if not fields:  # its data was deleted from the stream: nothing to run
-            return EntryRead(keys, lane, entry_id, fields, Read.deleted)
-        try:
-            req = parse_entry(fields, self.model, lane)
-        except BadEntry as e:
-            return EntryRead(keys, lane, entry_id, fields, Read.bad, error=str(e),
-                             job_id=e.job_id)
-        # already running here (claimed back by our refresh). On the reader thread this
-        # reads the engine thread's dict: a membership test, and while a read is under way
-        # the engine thread adds no job that could be in it (no reclaim meanwhile)
-        if keys.job(fields["job"]) in self.jobs:
-            return EntryRead(keys, lane, entry_id, fields, Read.running)
-        return EntryRead(keys, lane, entry_id, fields, Read.parsed, req=req)
-
-    def _start_call(self, e: EntryRead) -> Start:
-        return Start(e.keys, e.fields["job"], self.model, e.lane, self.worker_id,
-                     self.s.max_deliveries)
-
-    def _start_reply(self, e: EntryRead) -> Started | redis.ResponseError:
-        try:
-            return script.run(self.r, self._start_call(e))
-        except redis.ResponseError as err:  # e.g. WRONGTYPE: a hostile write to the job's keys
-            return err
-
-    def _start_many(self, parsed: list[EntryRead]) -> list:
-        """START for each entry, in one pipelined round trip (the reader thread's): each
-        one's Started, a ResponseError where Redis refused one."""
-        todo, replies = list(range(len(parsed))), [None] * len(parsed)
-        while todo:
-            self.read_round_trips += 1
-            pipe = self.r.pipeline(transaction=False)
-            calls = [self._start_call(parsed[i]) for i in todo]
-            for call in calls:
-                script.queue(pipe, call)
-            res = pipe.execute(raise_on_error=False)
-            script.raise_retryable(res)
-            for i, x in zip(todo, script.results(calls, res), strict=True):
-                replies[i] = x
-            # Redis lost its script cache: load it, send those again (none of them ran)
-            todo = [i for i, x in zip(todo, res, strict=True)
-                    if isinstance(x, redis.exceptions.NoScriptError)]
-            if todo:
-                script.load(self.r, WORKER_SCRIPTS)
-        return replies
-
-    @staticmethod
-    def _started(e: EntryRead, reply: Started | Exception) -> EntryRead:
-        """``e`` with START's ``reply`` (a ResponseError where Redis refused the job's keys:
-        the entry is dead-lettered; any other error is a fault)."""
-        if script.is_oom(reply):  # a full Redis: not the entry's fault
-            return dataclasses.replace(e, kind=Read.deferred)
-        if isinstance(reply, redis.ResponseError):
-            return dataclasses.replace(e, kind=Read.bad, job_id=e.fields["job"],
-                                       error=f"redis refused the job's keys: {reply}")
-        if isinstance(reply, Exception):
-            raise reply
-        return dataclasses.replace(e, kind=Read.started, started=reply)
-
-    def _admit_read(self, e: EntryRead, deliveries: int) -> None:
-        """The second half of admission, on the engine thread. Whatever the entry holds, it
-        is admitted or dead-lettered: it never raises out of here."""
-        if e.kind is Read.deferred:
-            self.deferred = True
-        elif e.kind is Read.deleted:
-            self._ack_del(e.keys, e.lane, e.entry_id)
-        elif e.kind is Read.bad:
-            self._reject_entry(e.keys, e.lane, e.entry_id, e.fields, e.error, e.job_id,
-                               deliveries)
-        elif e.kind is Read.started:
-            self.starts += 1  # (Redis took a START: it is not full for us)
-            try:
-                self._start_job(e.keys, e.lane, e.entry_id, e.fields, e.req, deliveries,
-                                e.started)
-            except redis.ResponseError as err:  # e.g. WRONGTYPE on the job's events stream
-                self._reject_entry(e.keys, e.lane, e.entry_id, e.fields,
-                                   f"redis refused the job's keys: {err}", e.fields["job"],
-                                   deliveries)
-
-    def _start_job(self, keys: Keys, lane: str, entry_id: str, fields: dict[str, str],
-                   req: JobRequest, deliveries: int, res: Started) -> None:
-        job_id = fields["job"]
-        faults.maybe_raise("intake", [job_id])
-        jlog = self.log.bind(job_id=job_id, prefix=keys.prefix)
-        if res.kind is StartKind.poison:
-            self._reject_entry(keys, lane, entry_id, fields, f"poison job: started "
-                               f"{res.attempts} times without a result (max_deliveries="
-                               f"{self.s.max_deliveries})", job_id, deliveries)
-            return
-        if res.kind is not StartKind.ok:
-            jlog.info("job_skipped", status=res.status)
-            self._ack_del(keys, lane, entry_id)
-            return
-        attempt, deadline = res.attempt, res.deadline
-        job = Job(job_id, entry_id, attempt, req.n, lane, keys, deadline,
-                  admitted_at=time.monotonic(), queue_wait_s=res.queue_wait_s)
-        self.metrics.queue_wait.labels(lane).observe(job.queue_wait_s)
-        next_index = self._replay_events(job)
-        if deadline is not None and time.time() > deadline:
-            jlog.info("job_expired")
-            self.publisher.register(keys, job_id, attempt, next_index)
-            self.end_job(job, Status.expired, FinishReason.deadline)
-            return
-        faults.on_admit(str(req.prompt or " ".join(m.text for m in req.messages or [])))
-        try:
-            job.prompt_tokens = self._add_to_engine(job, req)
-        except Exception as e:  # noqa: BLE001 - input this engine cannot take fails its job
-            self.engine.abort_request(job.uid)
-            if not isinstance(e, ValueError):
-                jlog.error("engine_refused_job", error=repr(e), exc_info=e)
-            self._reject_entry(keys, lane, entry_id, fields, str(e) or type(e).__name__,
-                               job_id, deliveries)
-            return
-        self.publisher.register(keys, job_id, attempt, next_index)
-        self.jobs[job.uid] = job
-        if job.done:  # every choice had ended before a crash (replayed): just finish
-            self.end_job(job, Status.finished, job.finish_reason())
-            return
-        too_slow, by_deadline = self._prefill_too_slow(job)
-        if too_slow:  # the job's own deadline: it expires; the worker's limit: it fails
-            self.engine.abort_request(job.uid)
-            self.end_job(job, *((Status.expired, FinishReason.deadline) if by_deadline
-                                else (Status.failed, FinishReason.error)), error=too_slow)
-            return
-        self.metrics.prompt_tokens.inc(job.prompt_tokens)
-        jlog.info("job_started", attempt=attempt, resumed_tokens=job.completion_tokens)
-
-    def _add_to_engine(self, job: Job, req: JobRequest) -> int:
-        """One engine request per unfinished choice (resumed after its replayed tokens);
-        returns the prompt length."""
-        prompt, messages = req.prompt, None
-        if req.messages and chat.needs_rendering(req):  # tools: rendered here (worker/chat.py)
-            prompt = chat.prompt_ids(self.engine.tokenizer, req)
-        elif req.messages:
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        prompt_tokens = 0
-        lanes_ = self.ident.lanes
-        priority = lanes.engine_priority(lanes_.index(job.lane), len(lanes_), req.priority)
-        guided = req.output_spec()
-        for k, choice in enumerate(job.choices):
-            if choice.finish_reason is not None:
-                continue
-            prompt_tokens = self.engine.add_request(
-                job.request_id(k), prompt, sampling_params(req, k, guided), messages=messages,
-                priority=priority, resume_token_ids=choice.resumed_ids)
-        return prompt_tokens or len(self.engine.encode(prompt, messages))
-
-    def _prefill_too_slow(self, job: Job) -> tuple[str, bool]:
-        """Why the job cannot be prefilled in time on this worker ('' if it can), and
-        whether the job's deadline (not PAGEDQ_MAX_PREFILL_S) is what it cannot meet."""
-        est = self.pacer.prefill_estimate_s(job.prompt_tokens * len(job.choices))
-        if est is None:
-            return "", False
-        limit, by_deadline = self.s.max_prefill_s or float("inf"), False
-        if job.deadline is not None and job.deadline - time.time() < limit:
-            limit, by_deadline = job.deadline - time.time(), True
-        if est <= limit:
-            return "", False
-        what = "the job's deadline" if by_deadline else "PAGEDQ_MAX_PREFILL_S"
-        return (f"prompt of {job.prompt_tokens} tokens needs about {est:.0f} s to prefill on "
-                f"this worker; {what} allows {max(limit, 0):.0f} s"), by_deadline
-
-    def _ack_del(self, keys: Keys, lane: str, entry_id: str) -> None:
-        stream = self.ident.stream(lane, keys)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xack(stream, GROUP, entry_id).xdel(stream, entry_id).execute()
-
-    def _replay_events(self, job: Job) -> int:
-        """A reclaimed job continues after the tokens its earlier attempts published;
-        returns the next event index (wire/events.py ``replay``)."""
-        if job.attempt <= 1:
-            return 0
-        replayed, next_index = replay(self.r.xrange(job.keys.out(job.job_id)),
-                                      len(job.choices))
-        for choice, done in zip(job.choices, replayed, strict=True):
-            choice.resumed_ids.extend(done.token_ids)
-            choice.num_tokens += len(done.token_ids)
-            choice.text.writelines(done.deltas)
-            choice.finish_reason = done.finish_reason
-        return next_index
-
-    def _reject_entry(self, keys: Keys, lane: str, entry_id: str, fields: dict, reason: str,
-                      job_id: str, deliveries: int) -> None:
-        self.log.warning("entry_rejected", entry_id=entry_id, job_id=job_id, lane=lane,
-                         prefix=keys.prefix, reason=reason)
-        # bytes, as they came: hiredis packs str arguments as strict UTF-8, and a body that
-        # is not UTF-8 arrives here with surrogate escapes (see Worker's connection)
-        body = str(fields.get("body", fields))[:DLQ_BODY_CHARS].encode("utf-8", "surrogateescape")
-        script.run(self.r, Reject(keys, self.model, lane, entry_id, reason[:DLQ_BODY_CHARS],
-                                  job_id or "", body, time.time(), self.s.result_ttl_s,
-                                  deliveries, self.s.dlq_ttl_s))
-        if job_id:
-            self.jobs.pop(keys.job(job_id), None)
-        self.metrics.finished.labels(Status.failed).inc()
-
+            e = self.admission.start_one(e)
+        self.admission.admit(e, deliveries)

@@ -6,7 +6,7 @@ the intake side backs off, and every job it holds is kept.
 * Redis away (refused, reset, timeout, LOADING; on a cluster a master failing over): the
   intake call is retried with capped backoff (``redis_unavailable``).
 * Redis full (past ``maxmemory`` with ``noeviction``: it refuses writes that may grow its
-  memory): a refused START leaves its entry pending (worker/intake.py ``Read.deferred``),
+  memory): a refused START leaves its entry pending (worker/admission.py ``Read.deferred``),
   intake backs off and then reads its own pending entries again; the publisher retries its
   results (worker/publisher.py). Each part reports through ``redis_full``: /healthz and
   /readyz say ``degraded`` (worker/health.py), ``pagedq:degraded`` is 1,

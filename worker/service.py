@@ -23,13 +23,12 @@ from pagedq.wire.connection import RETRYABLE
 from pagedq.wire.keys import GROUP, Keys
 from pagedq.wire.schema import FinishReason, Status
 from pagedq.wire.settings import Settings
-from pagedq.wire.worker_scripts import Verdict
 from pagedq.worker import fatal, faults, liveness, recovery
 from pagedq.worker.gc_pauses import GcPauses
 from pagedq.worker.health import DRAINING, SERVING, STOPPED, Health
 from pagedq.worker.intake import Intake
+from pagedq.worker.job_table import JobTable
 from pagedq.worker.jobs import (
-    Job,
     WorkerIdentity,
     finish_reason_of,
     logprobs_json,
@@ -37,7 +36,7 @@ from pagedq.worker.jobs import (
 )
 from pagedq.worker.metrics import Metrics, observe_many
 from pagedq.worker.pacing import StepPacer
-from pagedq.worker.publisher import Final, Publisher
+from pagedq.worker.publisher import Publisher
 from pagedq.worker.redis_faults import RedisFaults
 
 log = structlog.get_logger("pagedq.worker")
@@ -51,8 +50,8 @@ def default_worker_id() -> str:
 
 class Worker:
     """The service: parts with declared interfaces, composed here and driven by one loop.
-    The engine thread owns ``jobs`` (the jobs this worker started and has not ended) and
-    the engine; the publisher thread owns Redis writes of results; the watchdog thread
+    The engine thread owns ``jobs`` (the jobs this worker started and has not ended,
+    worker/job_table.py) and the engine; the publisher thread owns Redis writes of results; the watchdog thread
     only watches steps."""
 
     def __init__(self, engine: LLMEngine, settings: Settings | None = None, *,
@@ -71,14 +70,14 @@ class Worker:
                                             tenants)
         self.model, self.keys = ident.model, ident.keys
         self.log = log.bind(worker_id=self.worker_id, model=self.model)
-        self.jobs: dict[str, Job] = {}
         self.metrics = Metrics()
         self.metrics.watch_device(engine.runner.device)
         self.health = Health(s.health_max_silence_s, self.worker_id)  # /healthz, /readyz
         self.publisher = Publisher(self.r, s)
+        self.jobs = JobTable(ident, self.publisher, self.metrics, self.log)
         self.pacer = StepPacer(engine, s.max_step_s, s.step_watchdog_s)
         self.intake = Intake(ident, engine, self.publisher, self.metrics, self.pacer, self.jobs,
-                             self._final, self.log)
+                             self.log)
         self.heartbeat = liveness.Heartbeat(ident, self.publisher,
                                             device=str(engine.runner.device),
                                             max_num_seqs=engine.config.max_num_seqs,
@@ -174,8 +173,8 @@ class Worker:
                 writes = self.intake.writes
                 if self._redis_call(self.intake.poll, own_pending):
                     own_pending = False
-                    self.faults.after_poll(self.intake.deferred, self.intake.writes > writes)
-                    self.intake.deferred = False
+                    self.faults.after_poll(self.intake.take_deferred(),
+                                           self.intake.writes > writes)
                 if self.faults.reread_own:  # entries read and not started: read again
                     own_pending, self.faults.reread_own = True, False
                 dt = time.perf_counter() - t
@@ -274,30 +273,11 @@ class Worker:
         self.metrics.generation_tokens.inc(sum(len(b[4]) for b in batch))  # tokens, not events
         self.publisher.tokens(batch, urgent)
         for job in ended:
-            self._final(job, Status.finished, job.finish_reason())
+            self.jobs.end(job, Status.finished, job.finish_reason())
 
     def _token_text(self, token_id: int) -> str:
         tok = self.engine.tokenizer
         return tok.decode([token_id]) if tok is not None else ""
-
-    def _final(self, job: Job, status: Status, reason: FinishReason, error: str = "") -> None:
-        """End the job: choices still running end with ``reason`` (cancelled, deadline)."""
-        self.jobs.pop(job.uid, None)
-        for choice in job.choices:
-            if choice.finish_reason is None:
-                choice.finish_reason = reason
-        jlog, m = self.log.bind(job_id=job.job_id, prefix=job.keys.prefix), self.metrics
-
-        def done(verdict: Verdict | str) -> None:
-            m.finished.labels(status).inc()
-            m.e2e.observe(job.queue_wait_s + time.monotonic() - job.admitted_at)
-            jlog.info("job_done", status=status, finish_reason=reason, verdict=verdict,
-                      completion_tokens=job.completion_tokens)
-
-        self.publisher.final(Final(job.keys, job.job_id, job.attempt, job.entry_id,
-                                   self.ident.stream(job.lane, job.keys), status, reason,
-                                   job.text, error, job.prompt_tokens,
-                                   job.completion_tokens, done, job.choices_json()))
 
     def _drain_cancels(self) -> None:
         """Cancels and takeovers, then deadlines (O(jobs): once per loop, not per step)."""
@@ -305,14 +285,14 @@ class Worker:
         now = time.time()
         for job in [j for j in self.jobs.values() if j.deadline is not None and now > j.deadline]:
             self.engine.abort_request(job.uid)
-            self._final(job, Status.finished, FinishReason.deadline)
+            self.jobs.end(job, Status.finished, FinishReason.deadline)
 
     def _apply_cancels(self) -> None:
         while not self.publisher.lost.empty():  # another worker took it over: stop, no result
             uid, attempt = self.publisher.lost.get()
             job = self.jobs.get(uid)
             if job is not None and job.attempt == attempt:  # (not a newer attempt of ours)
-                del self.jobs[uid]
+                self.jobs.drop(uid)
                 self.engine.abort_request(job.uid)
                 self.log.warning("job_lost", job_id=job.job_id, prefix=job.keys.prefix,
                                  attempt=job.attempt)
@@ -320,7 +300,7 @@ class Worker:
             job = self.jobs.get(self.publisher.cancel_hits.get())
             if job is not None:
                 self.engine.abort_request(job.uid)
-                self._final(job, Status.cancelled, FinishReason.cancelled)
+                self.jobs.end(job, Status.cancelled, FinishReason.cancelled)
 
     def _beat(self) -> None:
         self.heartbeat.beat(list(self.jobs.values()), self.engine.kv_cache_usage)
