@@ -16,7 +16,7 @@ ARGS ?=
 WORKER_STAMP := $(VENV)/.pagedq-worker
 TEST_STAMP := $(VENV)/.pagedq-test
 
-.PHONY: install demo test test-all lint bench-offline bench-service clean
+.PHONY: install demo test test-fast test-all lint bench-offline bench-service clean
 
 $(WORKER_STAMP): pyproject.toml Makefile tools/torch_index.py
 	@echo "==> [1/4] virtual environment $(VENV)"
@@ -42,6 +42,10 @@ demo: $(WORKER_STAMP)
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not slow and not gpu" --durations=15
+
+# the tests that start no worker and load no model (tests/conftest.py FAST_MODULES): ~1 min
+test-fast: $(TEST_STAMP)
+	$(PY) -m pytest -q -m fast
 
 test-all: $(TEST_STAMP)
 	$(PY) -m pytest -q

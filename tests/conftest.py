@@ -17,6 +17,25 @@ from pagedq.worker.redis_server import RedisServer  # noqa: E402
 
 pytest_plugins = ["tests.model_fixtures", "tests.tiny_service"]
 
+# `pytest -m fast`: the modules whose tests start no worker process and load no model (pure
+# units, and the wire, Lua and clients against a redis-server they start), measured at
+# about a minute on 2 busy cores. A module joins only if all of it qualifies and it stays
+# quick; slower units (the KV-format and decode-variant checks, the Triton-interpreted
+# kernels, the SmolLM2 tokenizer's) stay out.
+FAST_MODULES = frozenset({
+    "test_architecture", "test_batch_cli", "test_batch_lines", "test_block_manager",
+    "test_block_manager_props", "test_client_concurrency", "test_client_retry",
+    "test_kernels_cpu", "test_metrics", "test_openai_fields", "test_producer",
+    "test_publisher", "test_reader", "test_sampler", "test_scheduler", "test_tool_calls",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__.rpartition(".")[2] in FAST_MODULES:
+            item.add_marker(pytest.mark.fast)
+
 
 @pytest.fixture
 def redis_server():

@@ -32,7 +32,6 @@ from pagedq.wire.scripts import Cancel
 from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
 from pagedq.worker.tenants import fair_take, rotated
-from tests.model_fixtures import make_tiny_chat_model
 from tests.queue_helpers import move
 from tests.test_batch_e2e import RqWorker, until
 from tests.test_gateway import CHAT, Gateway
@@ -92,12 +91,6 @@ class AclWorker(WorkerProc):
                 return
             time.sleep(0.1)
         raise TimeoutError(f"worker not ready in {timeout}s:\n{self.log()}")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """The tiny Llama with a chat template (the gateway's user serves a chat request)."""
-    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tiny-acl")))
 
 
 @pytest.fixture(scope="module")

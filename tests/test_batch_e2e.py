@@ -19,7 +19,6 @@ from pagedq.batch.lines import job_id
 from pagedq.cli import main as client_main
 from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
-from tests.model_fixtures import make_tiny_chat_model
 from tests.tiny_service import MODEL
 from tests.waiting import until
 from tests.worker_proc import ROOT, WorkerProc
@@ -29,12 +28,6 @@ PREFIX = "rel"  # tests/tiny_service.py's
 LONG_TOKENS = 16
 FAST = {"PAGEDQ_BATCH_POLL_S": "0.2", "PAGEDQ_BATCH_LEASE_S": "2",
         "PAGEDQ_BATCH_EXPIRY_GRACE_S": "1"}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """tests/tiny_service.py's tiny Llama, with a chat template (for the chat lines)."""
-    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
 
 
 class RqWorker:

@@ -30,7 +30,6 @@ from pagedq.cli import main as pagedq_main
 from pagedq.producer import Client
 from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import RedisServer
-from tests.model_fixtures import make_tiny_chat_model
 from tests.test_batch_e2e import RqWorker, until
 from tests.tiny_service import MODEL
 from tests.worker_proc import ROOT, WorkerProc
@@ -38,12 +37,6 @@ from tests.worker_proc import ROOT, WorkerProc
 PREFIX = "rel"  # the tenant of the keys below, and the gateway's admin prefix (RqWorker's)
 OTHER = "other"  # a tenant no worker serves
 CHAT = [{"role": "user", "content": "Tell me a story"}]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """tests/tiny_service.py's tiny Llama, with a chat template."""
-    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tiny-gw")))
 
 
 def free_port() -> int:

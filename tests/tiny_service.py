@@ -6,7 +6,7 @@ import pytest
 
 from pagedq.producer import Client
 from pagedq.wire.settings import Settings
-from tests.model_fixtures import make_tiny_model
+from tests.model_fixtures import make_tiny_chat_model
 from tests.worker_proc import WorkerProc
 
 MODEL = "tiny"
@@ -14,7 +14,10 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return str(make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("tiny")))
+    """The tiny random Llama every service test runs (tests/model_fixtures.py), with a
+    minimal chat template so chat requests work too; the one definition (this module is a
+    plugin of tests/conftest.py)."""
+    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture
