@@ -17,7 +17,8 @@ import argparse
 import socket
 import sys
 
-from pagedq.wire.connection import connect, redact_url
+from pagedq.wire.connection import connect
+from pagedq.wire.redis_errors import redact_url
 from pagedq.wire.settings import Settings
 
 from .settings import BatchSettings

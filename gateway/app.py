@@ -21,8 +21,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedq.batch import BatchSettings
-from pagedq.wire.connection import RedisUnusable, connect_async, start_async_cluster
+from pagedq.wire.connection import connect_async, start_async_cluster
 from pagedq.wire.errors import PagedqError
+from pagedq.wire.redis_errors import RedisUnusable
 from pagedq.wire.settings import Settings
 
 from . import batches, completions, models, responses

@@ -174,7 +174,8 @@ def _redis_problem(s) -> tuple[int, str] | None:
     (78), or it does not answer (1)."""
     import redis
 
-    from pagedq.wire.connection import connect, describe, is_fatal, redact_url
+    from pagedq.wire.connection import connect
+    from pagedq.wire.redis_errors import describe, is_fatal, redact_url
     try:
         r = connect(s, socket_connect_timeout=5, socket_timeout=5)
     except ValueError as e:  # RedisSetupError: a password/TLS setting that cannot be used

@@ -77,7 +77,7 @@ class DemoFailed(Exception):
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from pagedq.wire.connection import RedisUnusable, redact_url
+    from pagedq.wire.redis_errors import RedisUnusable, redact_url
     from pagedq.wire.settings import Settings
     from pagedq.worker.config import ConfigError
     from pagedq.worker.embedded import ensure_redis

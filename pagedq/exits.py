@@ -8,8 +8,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from pagedq.wire.connection import RedisUnusable, is_fatal
 from pagedq.wire.errors import InvalidRequest, JobConflict, JobNotFound, Overloaded, ResultTimeout
+from pagedq.wire.redis_errors import RedisUnusable, is_fatal
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -41,7 +41,7 @@ def guarded(fn: Callable[[argparse.Namespace], int],
 
 def _unusable(e: Exception, args: argparse.Namespace) -> tuple[int, str] | None:
     """Redis refusing the credentials or the TLS set-up, for every command group alike:
-    ``cannot use Redis at <redacted url>: why``, exit 1 (wire/connection.py)."""
+    ``cannot use Redis at <redacted url>: why``, exit 1 (wire/redis_errors.py)."""
     if not is_fatal(e):
         return None
     if not isinstance(e, RedisUnusable):  # raised outside a client's retry loop

@@ -219,7 +219,7 @@ def _gateway_address(args: argparse.Namespace) -> tuple[str, int]:
 
 def _serve(args, cfg, served: Served, devices: list[str], host: str, port: int,
            stop: _Stop) -> int:
-    from pagedq.wire.connection import redact_url
+    from pagedq.wire.redis_errors import redact_url
 
     url = served.start_redis(args.redis_url or os.environ.get("PAGEDQ_REDIS_URL"))
     env = {"PAGEDQ_REDIS_URL": url}  # by the environment: a password in it stays out of ps

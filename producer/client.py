@@ -28,16 +28,10 @@ from typing import Any, TypeVar
 import redis
 
 from pagedq.wire import script, scripts
-from pagedq.wire.connection import (
-    RETRYABLE,
-    RedisUnusable,
-    client_redis,
-    diagnose_tls,
-    is_fatal,
-    looks_cut_by_tls,
-)
+from pagedq.wire.connection import client_redis, diagnose_tls
 from pagedq.wire.guided import GuidedSpec
 from pagedq.wire.keys import Keys
+from pagedq.wire.redis_errors import RETRYABLE, RedisUnusable, is_fatal, looks_cut_by_tls
 from pagedq.wire.schema import ChatMessage, Event, JobRecord, JobRequest
 from pagedq.wire.settings import Settings
 

@@ -51,7 +51,7 @@ POLL_S = 5.0  # longest single blocking read; the job hash is re-checked in betw
 SOCKET_TIMEOUT_S = POLL_S + 10.0
 READ_COUNT = 1000  # out-stream entries per XREAD
 
-# What the clients retry: wire/connection.py ``RETRYABLE`` (a Redis restart, a cluster
+# What the clients retry: wire/redis_errors.py ``RETRYABLE`` (a Redis restart, a cluster
 # master failing over). Not retried although ConnectionErrors: wrong credentials and TLS
 # certificate errors (``is_fatal``); the shells raise them as RedisUnusable.
 RETRY_FIRST_S = 0.05  # first backoff; doubled per failure up to RETRY_CAP_S

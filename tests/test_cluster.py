@@ -529,7 +529,8 @@ def test_cluster_master_killed_mid_run_every_job_one_result(env):
 def test_cluster_unreachable_is_a_retryable_connection_error():
     """No node answers: redis.ConnectionError naming the (redacted) URL, which the clients'
     and worker's retry loops retry; not RedisUnusable, which would stop them."""
-    from pagedq.wire.connection import RedisUnusable, connect_cluster
+    from pagedq.wire.connection import connect_cluster
+    from pagedq.wire.redis_errors import RedisUnusable
     from pagedq.worker.redis_server import free_port
 
     url = f"redis://user:s3cret@127.0.0.1:{free_port()}"

@@ -22,15 +22,8 @@ import redis
 
 from pagedq.batch import Batches, BatchSettings
 from pagedq.producer import Client
-from pagedq.wire.connection import (
-    RedisSetupError,
-    RedisUnusable,
-    connect,
-    is_fatal,
-    probe,
-    redact_url,
-    redis_kwargs,
-)
+from pagedq.wire.connection import connect, probe, redis_kwargs
+from pagedq.wire.redis_errors import RedisSetupError, RedisUnusable, is_fatal, redact_url
 from pagedq.wire.schema import FinalEvent
 from pagedq.wire.settings import Settings
 from pagedq.worker.redis_server import (

@@ -35,9 +35,10 @@ import redis.asyncio.cluster
 import redis.cluster
 
 from . import lua
-from .connection import RETRYABLE, is_cluster
+from .connection import is_cluster
 from .errors import StorageFull
 from .lua import rq_scripts
+from .redis_errors import RETRYABLE
 
 
 class LibraryMissing(redis.ConnectionError):

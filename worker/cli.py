@@ -147,11 +147,11 @@ def check_config(args: argparse.Namespace) -> Resolved:
             check_name(kind, value)
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
-    from pagedq.wire import connection
+    from pagedq.wire import connection, redis_errors
 
     try:  # the URL parses; password and TLS files readable (connection.redis_kwargs)
         connection.check_offline(settings)
-    except connection.RedisSetupError as e:
+    except redis_errors.RedisSetupError as e:
         raise ConfigError(str(e).replace("--redis-url / PAGEDQ_REDIS_URL",
                                          cfg.origin("redis_url"))) from None
     if settings.metrics_port:
@@ -228,11 +228,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     logs.configure(cfg.worker.log_level)
     # wrong credentials or TLS set-up: exit 78 now, before the model loads; Redis not
     # answering is no error here (the worker starts and retries)
-    from pagedq.wire import connection
+    from pagedq.wire import connection, redis_errors
 
     try:
         connection.probe(cfg.service)
-    except connection.RedisUnusable as e:
+    except redis_errors.RedisUnusable as e:
         raise ConfigError(str(e)) from None
     from pagedq.worker.startup import StartReporter
 
@@ -251,7 +251,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         install_signal_handlers(w)
         try:
             w.run()
-        except connection.RedisUnusable as e:  # refused at start, after the pre-check passed
+        except redis_errors.RedisUnusable as e:  # refused at start, after the pre-check passed
             raise ConfigError(str(e)) from None
     return EXIT_CLEAN
 

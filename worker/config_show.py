@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedq.wire.connection import redact_url
+from pagedq.wire.redis_errors import redact_url
 from pagedq.worker.config import SOURCES, Resolved, env_name, flag_name, sections
 
 
 def _redact(v: Any) -> Any:
-    """A URL's password (user:***@, password=***): wire/connection.py's redact_url."""
+    """A URL's password (user:***@, password=***): wire/redis_errors.py's redact_url."""
     return redact_url(v) if isinstance(v, str) and "://" in v else v
 
 

@@ -33,8 +33,9 @@ import redis
 import structlog
 
 from pagedq.wire import script, worker_scripts
-from pagedq.wire.connection import RETRYABLE, is_cluster
+from pagedq.wire.connection import is_cluster
 from pagedq.wire.keys import Keys
+from pagedq.wire.redis_errors import RETRYABLE
 from pagedq.wire.schema import FinishReason, Status
 from pagedq.wire.settings import Settings
 from pagedq.wire.worker_scripts import EventHead, Verdict

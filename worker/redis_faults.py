@@ -28,10 +28,10 @@ from typing import Any
 
 import redis
 
-from pagedq.wire import connection, script
-from pagedq.wire.connection import RETRYABLE
+from pagedq.wire import redis_errors, script
 from pagedq.wire.errors import StorageFull
 from pagedq.wire.keys import GROUP
+from pagedq.wire.redis_errors import RETRYABLE
 
 _FULL = (StorageFull, redis.exceptions.OutOfMemoryError)
 _LOST = ("NOGROUP", "no such key")  # a stream or group gone (XREADGROUP, XINFO, ...)
@@ -59,10 +59,10 @@ class RedisFaults:
             self.ensure_library()
             self.ensure_groups()
         except script.LibraryMissing as e:
-            raise connection.RedisUnusable(self.s.redis_url, e.__cause__ or e) from e
+            raise redis_errors.RedisUnusable(self.s.redis_url, e.__cause__ or e) from e
         except redis.RedisError as e:  # RedisUnusable is not RETRYABLE: call() raises it
-            if connection.is_fatal(e):
-                raise connection.RedisUnusable(self.s.redis_url, e) from e
+            if redis_errors.is_fatal(e):
+                raise redis_errors.RedisUnusable(self.s.redis_url, e) from e
             raise
 
     def ensure_library(self) -> None:

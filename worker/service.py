@@ -19,8 +19,8 @@ import structlog
 
 from pagedq.engine.llm_engine import LLMEngine
 from pagedq.wire import connection
-from pagedq.wire.connection import RETRYABLE
 from pagedq.wire.keys import GROUP, Keys
+from pagedq.wire.redis_errors import RETRYABLE
 from pagedq.wire.schema import FinishReason, Status
 from pagedq.wire.settings import Settings
 from pagedq.worker import fatal, faults, liveness, recovery

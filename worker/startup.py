@@ -92,7 +92,7 @@ class StartReporter:
 def describe(engine: Any, cfg: Any, worker_id: str) -> str:
     """The start line after "ready in T s: " (engine: an LLMEngine; cfg: worker/config.py's
     Resolved)."""
-    from pagedq.wire.connection import redact_url
+    from pagedq.wire.redis_errors import redact_url
 
     r, c, s = engine.runner, engine.config, cfg.service
     dtype = str(r.dtype).removeprefix("torch.")
