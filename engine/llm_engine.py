@@ -27,7 +27,7 @@ from itertools import repeat
 from typing import Any
 
 from pagedq.engine import prompt_logprobs
-from pagedq.engine.config import EngineConfig
+from pagedq.engine.config import EngineConfig, engine_config
 from pagedq.engine.detokenizer import OutputStream
 from pagedq.engine.errors import EngineClosed
 from pagedq.engine.guided import GuidedDecoding
@@ -67,12 +67,12 @@ class _Live:
 
 
 class LLMEngine(OfflineMixin):
-    def __init__(self, model: str = "smollm2", **config: Any) -> None:
+    def __init__(self, model: str = "smollm2", *, config: EngineConfig | None = None,
+                 **options: Any) -> None:
         self._closed = False
         self._lock = threading.RLock()  # held by a call that steps or changes requests
         self._calls = 0  # such calls under way in this thread (close() from a signal handler)
-        self.config = EngineConfig(**config)
-        self.config.validate()
+        self.config = engine_config(config, options)  # the runner's too: one object
         try:
             self.runner = ModelRunner(model, self.config)
         except BaseException as e:

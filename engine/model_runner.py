@@ -59,9 +59,9 @@ class ModelRunner:
     def __init__(self, model_name_or_path: str, config: EngineConfig, *, rank: int = 0,
                  link=None) -> None:
         """``rank``/``link``: set only in a tensor-parallel rank process (rank > 0, its
-        distributed.DriverLink); the driver (rank 0) spawns those processes itself."""
+        distributed.DriverLink); the driver (rank 0) spawns those processes itself.
+        ``config``: used as it is (validated when it was constructed)."""
         t0 = time.perf_counter()
-        config.validate()
         self.config = config
         tp_size = config.tensor_parallel_size
         self.rank = rank
