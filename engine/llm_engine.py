@@ -36,7 +36,7 @@ from pagedq.engine.offline import OfflineMixin
 from pagedq.engine.outputs import FinishReason, StepOutput
 from pagedq.engine.pipeline import StepPipeline, num_known_tokens
 from pagedq.engine.sampler import Sampler
-from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.sampling_params import SamplingParams, sample_seed
 from pagedq.engine.scheduler import Scheduler
 from pagedq.engine.sequence import Sequence
 
@@ -237,7 +237,7 @@ class LLMEngine(OfflineMixin):
                 rid = request_id if n == 1 else f"{request_id}#{k}"
                 p = params
                 if n > 1 and params.seed is not None:  # sample k draws its own stream
-                    p = dataclasses.replace(params, seed=params.seed + k)
+                    p = dataclasses.replace(params, seed=sample_seed(params.seed, k))
                 seq = Sequence(rid, ids, p, priority=priority, token_ids=ids + resumed)
                 seq.num_resumed_output = len(resumed)
                 stream = (OutputStream(self.tokenizer, p, ids) if self.tokenizer is not None
