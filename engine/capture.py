@@ -1,5 +1,5 @@
 """The one stream this process captures every CUDA graph on, per device: the decode graphs
-(ModelRunner.capture_cudagraphs) and the piecewise ones (engine/piecewise.py).
+(engine/cuda_graphs.py) and the piecewise ones (engine/piecewise.py).
 
 torch keeps a cuBLAS workspace (32 MiB on an H200) per (cuBLAS handle, stream) until the
 process ends, made at the first matmul on that pair. A fresh stream per capture left one

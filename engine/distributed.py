@@ -154,7 +154,7 @@ def _exit_with_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def rank_main(runner_cls: type, rank: int, size: int, port: int, model: str, config: dict,
+def rank_main(runner_cls: type, rank: int, size: int, port: int, model: str, config: Any,
               conn: mpc.Connection, err: mpc.Connection, parent_pid: int) -> None:
     """Body of rank ``rank``'s process: build the ModelRunner shard in lockstep with the
     driver, then run every step the driver sends until ("stop",) or the driver is gone."""
@@ -163,9 +163,7 @@ def rank_main(runner_cls: type, rank: int, size: int, port: int, model: str, con
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     code = 0
     try:
-        from pagedq.engine.config import EngineConfig
-
-        cfg = EngineConfig(**config)
+        cfg = config  # the driver's EngineConfig, validated there
         if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
             torch.set_num_threads(cpu_threads(size))
         link = DriverLink(conn, port, size, rank)

@@ -27,7 +27,7 @@ from itertools import repeat
 from typing import Any
 
 from pagedq.engine import prompt_logprobs
-from pagedq.engine.config import EngineConfig
+from pagedq.engine.config import EngineConfig, engine_config
 from pagedq.engine.detokenizer import OutputStream
 from pagedq.engine.errors import EngineClosed
 from pagedq.engine.guided import GuidedDecoding
@@ -36,7 +36,7 @@ from pagedq.engine.offline import OfflineMixin
 from pagedq.engine.outputs import FinishReason, StepOutput
 from pagedq.engine.pipeline import StepPipeline, num_known_tokens
 from pagedq.engine.sampler import Sampler
-from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.sampling_params import SamplingParams, sample_seed
 from pagedq.engine.scheduler import Scheduler
 from pagedq.engine.sequence import Sequence
 
@@ -67,12 +67,12 @@ class _Live:
 
 
 class LLMEngine(OfflineMixin):
-    def __init__(self, model: str = "smollm2", **config: Any) -> None:
+    def __init__(self, model: str = "smollm2", *, config: EngineConfig | None = None,
+                 **options: Any) -> None:
         self._closed = False
         self._lock = threading.RLock()  # held by a call that steps or changes requests
         self._calls = 0  # such calls under way in this thread (close() from a signal handler)
-        self.config = EngineConfig(**config)
-        self.config.validate()
+        self.config = engine_config(config, options)  # the runner's too: one object
         try:
             self.runner = ModelRunner(model, self.config)
         except BaseException as e:
@@ -237,7 +237,7 @@ class LLMEngine(OfflineMixin):
                 rid = request_id if n == 1 else f"{request_id}#{k}"
                 p = params
                 if n > 1 and params.seed is not None:  # sample k draws its own stream
-                    p = dataclasses.replace(params, seed=params.seed + k)
+                    p = dataclasses.replace(params, seed=sample_seed(params.seed, k))
                 seq = Sequence(rid, ids, p, priority=priority, token_ids=ids + resumed)
                 seq.num_resumed_output = len(resumed)
                 stream = (OutputStream(self.tokenizer, p, ids) if self.tokenizer is not None

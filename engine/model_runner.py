@@ -14,9 +14,12 @@ every rank. Each step the driver packs the inputs and sends them to the ranks
 (``execute``), every rank runs ``_forward`` on them, and only the driver gets logits.
 With one rank nothing is spawned and no collective runs: the single-device code path.
 
-CUDA graphs (CUDA, Triton kernels, not enforce_eager): a decode-only step replays one
-whole-model graph per padded batch size; with one rank, a step that prefills (up to 8,192
-tokens) replays the model in pieces between eager attention calls (engine/piecewise.py).
+KV cache sizing (num_kv_blocks unset): engine/kv_sizing.py.
+
+CUDA graphs (CUDA, Triton kernels, not enforce_eager; engine/cuda_graphs.py, which holds the
+model, not the runner): a decode-only step replays one whole-model graph per padded batch
+size; with one rank, a step that prefills (up to 8,192 tokens) replays the model in pieces
+between eager attention calls (engine/piecewise.py).
 
 ``close()`` releases all of it at once (engine/llm_engine.py: the engine's lifetime). Nothing
 the runner owns refers back to it (the rank group's hook before it leaves the process group
@@ -27,21 +30,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 import weakref
 
 import torch
 
-from pagedq.engine import kv_cache, kv_scales
+from pagedq.engine import kv_cache, kv_scales, kv_sizing
 from pagedq.engine.batch import ScheduledBatch
-from pagedq.engine.capture import capture_stream
 from pagedq.engine.config import EngineConfig
+from pagedq.engine.cuda_graphs import CudaGraphs, model_step, reset_graphs
 from pagedq.engine.inputs import InputBuilder, Packed
 from pagedq.engine.layers import ops
 from pagedq.engine.layers.attention import AttentionMetadata
 from pagedq.engine.layers.packed import pack_model
 from pagedq.engine.loader import load_model_files, resolve_model
+from pagedq.engine.model_setup import DTYPES, eos_ids, init_dummy, pick_device
 from pagedq.engine.models import get_model_class
 from pagedq.engine.parallel import SINGLE
 from pagedq.engine.piecewise import PiecewiseGraphs
@@ -49,55 +52,21 @@ from pagedq.engine.progress import stage
 from pagedq.engine.quant import model as quant_model
 from pagedq.engine.quant.detect import detect as detect_quantization
 from pagedq.engine.quant.weights import feed
-from pagedq.engine.sampling_params import SamplingParams
 from pagedq.engine.sequence import Sequence
-
-# "half" and "float" are vLLM's names of float16 and float32 (wire/engine_config.py)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "half": torch.float16, "float": torch.float32}
-
-
-def _pick_device(name: str, tp_size: int = 1, rank: int = 0) -> torch.device:
-    """The device of one rank: with tensor parallelism, rank r of ``cuda:N`` (or ``cuda``:
-    N = 0) is cuda:N+r; every rank of ``cpu`` is the CPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    if tp_size == 1 or dev.type != "cuda":
-        return dev
-    first, count = dev.index or 0, torch.cuda.device_count()
-    if first + tp_size > count:
-        raise ValueError(f"tensor_parallel_size {tp_size} on device {name!r} needs CUDA devices "
-                         f"cuda:{first} to cuda:{first + tp_size - 1}; this machine has {count}")
-    return torch.device("cuda", first + rank)
-
-
-def _eos_ids(hf_config, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for v in (getattr(hf_config, "eos_token_id", None),
-              getattr(hf_config, "pagedq_generation_eos", None),
-              getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, list | tuple):
-            ids.update(int(x) for x in v)
-    return ids
 
 
 class ModelRunner:
     def __init__(self, model_name_or_path: str, config: EngineConfig, *, rank: int = 0,
                  link=None) -> None:
         """``rank``/``link``: set only in a tensor-parallel rank process (rank > 0, its
-        distributed.DriverLink); the driver (rank 0) spawns those processes itself."""
+        distributed.DriverLink); the driver (rank 0) spawns those processes itself.
+        ``config``: used as it is (validated when it was constructed)."""
         t0 = time.perf_counter()
-        config.validate()
         self.config = config
         tp_size = config.tensor_parallel_size
         self.rank = rank
-        self.device = _pick_device(config.device, tp_size, rank)
-        self.dtype = (_DTYPES[config.dtype] if config.dtype != "auto" else
+        self.device = pick_device(config.device, tp_size, rank)
+        self.dtype = (DTYPES[config.dtype] if config.dtype != "auto" else
                       torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.kv_format = kv_cache.kv_format(config.kv_cache_dtype, self.dtype)
         kv_cache.check_device(self.kv_format, self.device)
@@ -134,14 +103,11 @@ class ModelRunner:
         model_cls.check_tensor_parallel(hf_config, tp_size)  # before any process starts
         self.max_model_len = self._max_model_len(model_cls)
         self.vocab_size = int(hf_config.vocab_size)
-        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
+        self.eos_token_ids = eos_ids(hf_config, self.tokenizer)
 
         self.ranks = None  # the driver's distributed.RankGroup when tensor-parallel
         self.tp = SINGLE
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded decode batch size -> graph
-        self._static: dict[str, torch.Tensor] = {}  # the decode graphs' inputs and output
-        self.piecewise: PiecewiseGraphs | None = None  # steps that prefill (one rank only)
-        self.graph_bytes = 0  # device memory the CUDA graphs hold (pools, static buffers)
+        self.cuda_graphs = CudaGraphs(self.device, self.dtype)  # empty until captured
         self.model = self.kv_cache = self.inputs = None  # set by _build; None once closed
         self._closed = False
         if tp_size == 1:
@@ -158,7 +124,7 @@ class ModelRunner:
                 link = self.ranks = RankGroup(type(self), model_name_or_path, config,
                                               self.device)
                 # NCCL cannot leave a group while a graph captured its collectives
-                self.ranks.before_leave = functools.partial(_reset_graphs, self.graphs)
+                self.ranks.before_leave = functools.partial(reset_graphs, self.graphs)
                 weakref.finalize(self, self.ranks.close)  # a runner dropped unclosed
             self._link = link
             try:
@@ -197,7 +163,7 @@ class ModelRunner:
               + (f" ({self.quant.summary()}, dequantized: {why})" if self.quant and why
                  else ""))
         if config.load_format == "dummy":
-            _init_dummy(model, seed=tp.rank)
+            init_dummy(model, seed=tp.rank)
         else:
             model.load_weights(self.kv_scales.take(feed(weights, kept)))
             quant_model.finish_load(model)
@@ -215,7 +181,7 @@ class ModelRunner:
         self.inputs = InputBuilder(self.device, config, self.max_model_len)
         if config.num_kv_blocks is None and self.device.type == "cuda":
             stage("measuring free GPU memory for the KV cache (one warm-up step)")
-        blocks = config.num_kv_blocks or self._profile_num_blocks()
+        blocks = config.num_kv_blocks or kv_sizing.profile_num_blocks(self)
         if tp.size > 1 and not config.num_kv_blocks:  # every rank holds the same blocks
             t = torch.tensor([blocks], dtype=torch.int64, device=self.device)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=tp.group)
@@ -224,7 +190,7 @@ class ModelRunner:
         stage(f"allocating the KV cache ({self.num_kv_blocks} blocks)")
         self._allocate_kv_cache(self.num_kv_blocks)
         if self._uses_graphs():
-            self.graph_bytes = self._capture_graphs()
+            self.cuda_graphs.graph_bytes = self._capture_graphs()
         if tp.size > 1:
             self._link.barrier("ready")
 
@@ -235,20 +201,28 @@ class ModelRunner:
     def _capture_graphs(self, announce: bool = True) -> int:
         """Capture the decode graphs and, with one rank, the piecewise ones; return the
         device memory they took."""
-        torch.cuda.empty_cache()  # the static buffers must not come from cached blocks
-        before = torch.cuda.memory_reserved(self.device)
-        if announce:
-            stage("capturing CUDA graphs")
-        self.capture_cudagraphs()
-        # (ranks would have to capture their collectives in lockstep: not built)
-        if self.tp.size == 1 and not ops.ablated("piecewise_graphs"):
-            if announce:
-                stage("capturing piecewise CUDA graphs for steps that prefill")
-            self.piecewise = PiecewiseGraphs(self.model, self.device, self.dtype,
-                                             self.hf_config.hidden_size,
-                                             self.config.max_num_batched_tokens)
-            self.piecewise.capture(capture_stream(self.device, self.dtype))
-        return torch.cuda.memory_reserved(self.device) - before
+        return self.cuda_graphs.capture(self.model, self.hf_config, self.config,
+                                        self.max_model_len, self.tp.size, announce)
+
+    # the graphs, as tests and benches read them (engine/cuda_graphs.py)
+    @property
+    def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
+        """Padded decode batch size -> its captured graph (empty: none)."""
+        return self.cuda_graphs.graphs
+
+    @property
+    def piecewise(self) -> PiecewiseGraphs | None:
+        """The piecewise graphs of steps that prefill (one rank only), or None."""
+        return self.cuda_graphs.piecewise
+
+    @piecewise.setter
+    def piecewise(self, value: PiecewiseGraphs | None) -> None:
+        self.cuda_graphs.piecewise = value
+
+    @property
+    def graph_bytes(self) -> int:
+        """Device memory the CUDA graphs hold (pools, static buffers)."""
+        return self.cuda_graphs.graph_bytes
 
     @property
     def block_size(self) -> int:
@@ -294,58 +268,6 @@ class ModelRunner:
             self.kv_format, self.model, num_blocks, self.block_size, self.device,
             self.kv_scales, self.hf_config, self.tp)
 
-    def _profile_num_blocks(self) -> int:
-        """CPU: kv_cache_memory_gb. CUDA: run one warm-up step of max_num_batched_tokens with a
-        just-large-enough temporary cache, then give the KV cache what is left of
-        total * gpu_memory_utilization after other processes, the CUDA context, the weights
-        and the warm-up's peak activations."""
-        per_block = self.block_bytes()
-        if self.device.type != "cuda":
-            return max(1, int(self.config.kv_cache_memory_gb * 2**30) // per_block)
-        cfg, bs = self.config, self.block_size
-        chunk = min(self.max_model_len, cfg.max_num_batched_tokens)
-        lens = [chunk] * (cfg.max_num_batched_tokens // chunk)
-        if cfg.max_num_batched_tokens % chunk:
-            lens.append(cfg.max_num_batched_tokens % chunk)
-        lens = lens[:cfg.max_num_seqs]
-        tmp_blocks = sum(math.ceil(n / bs) for n in lens)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._allocate_kv_cache(tmp_blocks)
-        batch, next_block = ScheduledBatch(), 0
-        for i, n in enumerate(lens):
-            seq = Sequence(f"warmup-{i}", [0] * n, SamplingParams())
-            seq.block_table = list(range(next_block, next_block + math.ceil(n / bs)))
-            next_block += len(seq.block_table)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-        with torch.inference_mode():  # every rank runs it (no step is sent to the ranks)
-            self._forward(self.inputs.pack(batch), None)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - tmp_blocks * per_block
-        free, total = torch.cuda.mem_get_info(self.device)
-        not_ours = total - free - torch.cuda.memory_reserved(self.device)
-        graphs = 0
-        if self._uses_graphs() and self.tp.size == 1:
-            # the graphs' pools do not depend on the cache's size: captured once over this
-            # small cache to be measured, then again over the real one (they bake in its
-            # addresses). Tensor-parallel ranks' graphs (decode only, no piecewise) stay
-            # outside the budget: their capture must run in lockstep (not built twice).
-            stage("capturing the CUDA graphs once to measure their memory")
-            graphs = self._capture_graphs(announce=False)
-            self.release_graphs()
-        budget = total * cfg.gpu_memory_utilization - not_ours - peak - graphs
-        self.kv_cache = self.kv_scale_cache = None
-        kv_cache.release(self.model.attention_layers())
-        torch.cuda.empty_cache()  # (the graphs' pools too, once released)
-        blocks = int(budget // per_block)
-        if blocks < 1:
-            raise RuntimeError(
-                f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB after "
-                f"weights and a {cfg.max_num_batched_tokens}-token warm-up): raise "
-                f"gpu_memory_utilization or lower max_num_batched_tokens")
-        return blocks
-
     # ---- one step ----------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch, pending: dict[Sequence, int] | None = None,
                 prev_tokens: torch.Tensor | None = None):
@@ -353,48 +275,15 @@ class ModelRunner:
         see engine/inputs.py (``pending``: placeholder tokens taken from ``prev_tokens``)."""
         return self.inputs.build(batch, pending, prev_tokens)
 
-    @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
-        """One CUDA graph per padded decode batch size (1, 2, 4, 8, 16, 32, ... up to
-        max_num_seqs), sharing one memory pool and one set of static input buffers. Needs
-        the Triton kernels (the reference twins sync with the host). Padding rows: slot -1
-        (no KV write), seq_len 1 over block 0 (valid memory; their output is dropped)."""
-        n_max, width = self.config.max_num_seqs, -(-self.max_model_len // self.block_size)
-        sizes = sorted({min(n_max, x) for x in [1, 2, 4, 8] + list(range(16, n_max + 16, 16))})
-        dev, i64, i32 = self.device, torch.int64, torch.int32
-        st = self._static = {
-            "ids": torch.zeros(n_max, dtype=i64, device=dev),
-            "pos": torch.zeros(n_max, dtype=i64, device=dev),
-            "slots": torch.full((n_max,), -1, dtype=i64, device=dev),
-            "tables": torch.zeros(n_max, width, dtype=i32, device=dev),
-            "lens": torch.ones(n_max, dtype=i32, device=dev),
-            "cu": torch.arange(n_max + 1, dtype=i32, device=dev),
-            "out": torch.zeros(n_max, self.hf_config.hidden_size, dtype=self.dtype, device=dev),
-        }
-        pool = None
-        # tensor-parallel: the all-reduces are captured too (every rank captures the same
-        # sizes in the same order, in lockstep); thread-local capture lets the NCCL
-        # watchdog thread query its events meanwhile
-        mode = "thread_local" if self.tp.size > 1 else "global"
-        stream = capture_stream(dev, self.dtype)
-        for n in reversed(sizes):  # largest first: smaller graphs reuse its pool
-            meta = AttentionMetadata(st["slots"][:n], st["tables"][:n], st["lens"][:n],
-                                     st["cu"][:n + 1], 1, True, st["pos"][:n])
-            self._model_step(st["ids"][:n], st["pos"][:n], meta)  # compile/warm the kernels
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
-                st["out"][:n] = self._model_step(st["ids"][:n], st["pos"][:n], meta)
-            pool = graph.pool()
-            self.graphs[n] = graph
-        torch.cuda.synchronize(dev)
+        """The decode graphs alone (engine/cuda_graphs.py CudaGraphs.capture_decode)."""
+        self.cuda_graphs.capture_decode(self.model, self.hf_config.hidden_size,
+                                        self.config.max_num_seqs,
+                                        -(-self.max_model_len // self.block_size), self.tp.size)
 
     def _model_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
                     meta: AttentionMetadata) -> torch.Tensor:
-        """The model on one step; a decode-only step first orders its rows for the decode
-        kernel, on the device (so a captured graph orders each replay's rows)."""
-        if meta.is_decode_only:
-            meta.decode_order = ops.decode_order(meta.seq_lens)
-        return self.model(input_ids, positions, meta)
+        return model_step(self.model, input_ids, positions, meta)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
@@ -404,23 +293,13 @@ class ModelRunner:
         if self.kv_fit and not meta.is_decode_only:  # its layers fit their fp8 scales
             self.kv_fit = False
             return self._model_step(input_ids, positions, meta)
-        if not (meta.is_decode_only and self.graphs and n <= self.config.max_num_seqs):
-            pw = self.piecewise
+        cg = self.cuda_graphs
+        if not cg.fits_decode(n, meta):
+            pw = cg.piecewise
             if pw is not None and not meta.is_decode_only and n <= pw.max_tokens:
                 return pw.run(input_ids, positions, meta)
             return self._model_step(input_ids, positions, meta)
-        padded = min(b for b in self.graphs if b >= n)
-        st, w = self._static, meta.block_tables.shape[1]
-        st["ids"][:n].copy_(input_ids)
-        st["pos"][:n].copy_(positions)
-        st["slots"][:n].copy_(meta.slot_mapping)
-        st["slots"][n:padded].fill_(-1)
-        st["lens"][:n].copy_(meta.seq_lens)
-        st["lens"][n:padded].fill_(1)
-        st["tables"][:n, :w].copy_(meta.block_tables)
-        st["tables"][n:padded, 0].fill_(0)
-        self.graphs[padded].replay()
-        return st["out"][:n]
+        return cg.replay_decode(input_ids, positions, meta)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, pending: dict[Sequence, int] | None = None,
@@ -479,13 +358,7 @@ class ModelRunner:
         """Destroy the CUDA graphs. NCCL keeps a communicator alive while a captured graph
         refers to it, so its destroy (and even its abort) waits forever: every rank releases
         its graphs before it leaves the process group."""
-        _reset_graphs(self.graphs)
-        self._static = {}
-        if self.piecewise is not None:
-            self.piecewise.reset()
-        self.piecewise = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.cuda_graphs.release()
 
     def close(self) -> None:
         """Release the device: stop the tensor-parallel ranks (each rank, the driver
@@ -505,23 +378,3 @@ class ModelRunner:
             self.model = self.kv_cache = self.kv_scale_cache = self.inputs = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-
-
-def _reset_graphs(graphs: dict[int, torch.cuda.CUDAGraph]) -> None:
-    """Destroy the decode graphs in ``graphs`` (their pool is freed with the last)."""
-    for graph in graphs.values():
-        graph.reset()
-    graphs.clear()
-
-
-@torch.no_grad()
-def _init_dummy(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights (norm weights 1): the same shapes and speed as a real checkpoint.
-    (Tensor-parallel ranks seed by rank: a benchmark's shards need not form one model.)"""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 0.02, generator=gen)
-    quant_model.init_dummy(model, gen)  # quantized layers: random codes and scales

@@ -1,6 +1,6 @@
 """Piecewise CUDA graphs for the steps that prefill (vLLM's scheme, without torch.compile).
 
-A decode-only step replays one whole-model CUDA graph (ModelRunner.capture_cudagraphs). A
+A decode-only step replays one whole-model CUDA graph (engine/cuda_graphs.py). A
 step that prefills cannot: its attention's grid and loop bounds follow the step's query
 lengths, not only its token count. Run eagerly, such a step costs the host about 17 ms of
 launches for Qwen3-0.6B's 28 layers whatever its size (bench/mixed_steps.py), several

@@ -4,7 +4,6 @@ whole scheme, and holds the process group and a rank's own side)."""
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import multiprocessing.util  # noqa: F401  (its atexit hook must be registered before ours)
@@ -86,7 +85,7 @@ class RankGroup:
         self.conns: list[mpc.Connection] = []  # duplex: commands down, barrier tags up
         self.errs: list[mpc.Connection] = []  # read-only: a rank's last words
         self._wake_r, self._wake_w = ctx.Pipe(duplex=False)  # close() wakes the monitor
-        cfg = dataclasses.asdict(config)
+        cfg = config  # pickled whole: a rank validates nothing again
         try:
             for r in range(1, self.size):
                 conn, child = ctx.Pipe()

@@ -122,9 +122,14 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(
         True, "cache", "share the KV blocks of common prompt prefixes")
 
+    def __post_init__(self) -> None:
+        # the one validation: an EngineConfig that exists is valid (LLMEngine and
+        # ModelRunner take it as it is; a field set afterwards is the setter's to check)
+        self.validate()
+
     def validate(self) -> None:
         """ValueError, one line naming the setting, unless every value is allowed: each
-        setting's own declaration, then the rules between settings."""
+        setting's own declaration, then the rules between settings (run by construction)."""
         check(self)
         if not self.enable_chunked_prefill and self.max_model_len and \
                 self.max_num_batched_tokens < self.max_model_len:

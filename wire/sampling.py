@@ -44,6 +44,13 @@ LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this (OpenAI's range)
 MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias (OpenAI's limit)
 
 
+def sample_seed(seed: int, k: int) -> int:
+    """The seed of sample k of a request seeded with ``seed`` (its n samples, or a job's
+    choices): one rule for the offline engine and the worker, so that the same request gives
+    the same samples both ways, and every sample's seed stays in [0, 2**63)."""
+    return (seed + k) % 2**63
+
+
 def describe(e: ValidationError, limit: int = 8) -> str:
     """A validation error as one line: ``field: problem; field: problem``."""
     parts = []
@@ -141,7 +148,7 @@ class SamplingParams:
     def of_request(cls, req: Any, **changes: Any) -> SamplingParams:
         """The sampling fields of a request the wire's model validated (``with_sampling``:
         the same declarations), not validated again: the worker's path, one per choice.
-        ``changes`` must keep them valid (the worker's n=1 and seed+k mod 2**63); an
+        ``changes`` must keep them valid (the worker's n=1 and ``sample_seed``); an
         engine-only field takes its default."""
         sp = object.__new__(cls)
         for name, wire, default in _MAKE:

@@ -166,7 +166,7 @@ def check_config(args: argparse.Namespace) -> Resolved:
     from pagedq.wire.engine_config import EngineConfig  # the engine's own rules, no engine import
 
     try:
-        EngineConfig(**cfg.engine_kwargs()).validate()
+        cfg.engine = EngineConfig(**cfg.engine_kwargs())  # validated by construction
     except ValueError as e:
         raise ConfigError(cfg.explain(str(e))) from None
     return cfg
@@ -199,6 +199,7 @@ def build_engine(cfg: Resolved, on_stage=None):
     import torch
 
     from pagedq.engine import progress
+    from pagedq.engine.config import EngineConfig
     from pagedq.engine.llm_engine import LLMEngine
 
     device, model = cfg.worker.device, cfg.worker.model
@@ -212,7 +213,7 @@ def build_engine(cfg: Resolved, on_stage=None):
                           f"cuda:{torch.cuda.device_count() - 1}")
     try:
         with progress.reporting(on_stage or (lambda _text: None)):
-            return LLMEngine(model, **cfg.engine_kwargs())
+            return LLMEngine(model, config=cfg.engine or EngineConfig(**cfg.engine_kwargs()))
     except ValueError as e:  # model path, device, max_model_len vs memory, ...
         raise ConfigError(cfg.explain(str(e))) from None
     except OSError as e:  # an unreadable model file or folder

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 from pagedq.wire.declared import SECTIONS, Declared, allowed, problem
+from pagedq.wire.engine_config import EngineConfig
 from pagedq.wire.settings import Settings
 from pagedq.worker.names import served_name
 from pagedq.worker.settings import DECLARED, ENGINE_FIELDS, PROCESS, WorkerSettings
@@ -208,6 +209,9 @@ class Resolved:
     worker: WorkerSettings
     file: str | None
     sources: dict[str, str] = field(default_factory=dict)  # setting name -> SOURCES item
+    # the engine's settings, validated once by check_config (worker/cli.py); build_engine
+    # hands this very object to the engine
+    engine: EngineConfig | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """LLMEngine/EngineConfig keyword arguments."""

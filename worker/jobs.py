@@ -16,7 +16,7 @@ import redis
 from pydantic import ValidationError
 
 from pagedq.engine.outputs import FinishReason as EngineReason
-from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.sampling_params import SamplingParams, sample_seed
 from pagedq.wire.connection import is_cluster
 from pagedq.wire.guided import GuidedSpec
 from pagedq.wire.keys import JOB_ID_RE, Keys
@@ -209,10 +209,11 @@ def sampling_params(req: JobRequest, choice: int = 0,
                     guided: GuidedSpec | None = None) -> SamplingParams:
     """Engine parameters of one choice: the request's sampling fields (one declaration,
     wire/sampling.py; validated with the request), each choice an engine request of its own
-    (n = 1), and choice k of a seeded job drawing from seed + k. ``guided``: the job's
+    (n = 1), and choice k of a seeded job drawing from ``sample_seed(seed, k)`` (the
+    offline engine's rule for its n samples too). ``guided``: the job's
     output spec (``req.output_spec()``: its own, or its tools'), made once per job and
     compiled by the engine at add_request (a ValueError there fails the job)."""
-    seed = None if req.seed is None else (req.seed + choice) % 2**63
+    seed = None if req.seed is None else sample_seed(req.seed, choice)
     return SamplingParams.of_request(req, n=1, seed=seed, guided=guided)
 
 
