@@ -18,10 +18,14 @@ _ids = itertools.count()
 
 def make(num_blocks=16, bs=4, budget=64, max_seqs=8, chunked=True, prefix=True,
          policy="priority", wait=None):
-    cfg = EngineConfig(block_size=bs, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                       num_kv_blocks=num_blocks, enable_chunked_prefill=chunked,
-                       enable_prefix_caching=prefix, scheduling_policy=policy,
-                       prefill_wait_steps=wait)
+    # set after construction: these tiny blocks and budgets keep the arithmetic small,
+    # below what an engine allows (construction validates; the scheduler takes any config)
+    cfg = EngineConfig()
+    for name, value in dict(block_size=bs, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                            num_kv_blocks=num_blocks, enable_chunked_prefill=chunked,
+                            enable_prefix_caching=prefix, scheduling_policy=policy,
+                            prefill_wait_steps=wait).items():
+        setattr(cfg, name, value)
     sched = Scheduler(cfg, num_blocks)
     return sched, sched.bm
 
