@@ -88,7 +88,7 @@ def test_token_ids_outside_the_vocabulary_are_a_400(stack):
                                   messages=[{"role": "user", "content": "Hi"}])
     ok = c.completions.create(model=MODEL, max_tokens=2, prompt=[1, 2, TINY_VOCAB - 1],
                               logit_bias={"5": 1})
-    assert ok.usage.completion_tokens == 2
+    assert 1 <= ok.usage.completion_tokens <= 2  # accepted (sampled: EOS may come first)
 
 
 def test_a_tool_message_without_its_call_id_is_a_400(stack):
@@ -101,7 +101,7 @@ def test_a_tool_message_without_its_call_id_is_a_400(stack):
     assert e.value.body["param"] == "messages[2].tool_call_id", e.value.body
     ok = c.chat.completions.create(model=MODEL, max_tokens=2, messages=[
         *chat, {"role": "tool", "content": "3", "tool_call_id": "call_1"}])
-    assert ok.usage.completion_tokens == 2
+    assert 1 <= ok.usage.completion_tokens <= 2  # accepted (sampled: EOS may come first)
 
 
 def upload(stack, n_lines: int) -> httpx.Response:
