@@ -19,7 +19,6 @@ A constructor that fails releases what it had built before the error propagates.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import traceback
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from pagedq.engine.offline import OfflineMixin
 from pagedq.engine.outputs import FinishReason, StepOutput
 from pagedq.engine.pipeline import StepPipeline, num_known_tokens
 from pagedq.engine.sampler import Sampler
-from pagedq.engine.sampling_params import SamplingParams, sample_seed
+from pagedq.engine.sampling_params import SamplingParams, fan_out, split_sample_id
 from pagedq.engine.scheduler import Scheduler
 from pagedq.engine.sequence import Sequence
 
@@ -213,9 +212,9 @@ class LLMEngine(OfflineMixin):
         """
         with self._using("add_request"):
             params = params or SamplingParams()
-            n = params.n
-            if request_id in self._live or request_id in self._samples or (
-                    n > 1 and any(f"{request_id}#{k}" in self._live for k in range(n))):
+            samples = fan_out(request_id, params)
+            if request_id in self._live or request_id in self._samples or any(
+                    rid in self._live for rid, _ in samples):
                 raise ValueError(f"request {request_id!r} already exists")
             ids = self.encode(prompt, messages)
             if not ids:
@@ -233,11 +232,7 @@ class LLMEngine(OfflineMixin):
             guide = (self.guided.start(params.guided, resumed) if params.guided is not None
                      else None)
             max_output = min(params.max_tokens, self.max_model_len - len(ids))
-            for k in range(n):
-                rid = request_id if n == 1 else f"{request_id}#{k}"
-                p = params
-                if n > 1 and params.seed is not None:  # sample k draws its own stream
-                    p = dataclasses.replace(params, seed=sample_seed(params.seed, k))
+            for k, (rid, p) in enumerate(samples):
                 seq = Sequence(rid, ids, p, priority=priority, token_ids=ids + resumed)
                 seq.num_resumed_output = len(resumed)
                 stream = (OutputStream(self.tokenizer, p, ids) if self.tokenizer is not None
@@ -249,8 +244,8 @@ class LLMEngine(OfflineMixin):
                 self.scheduler.add(seq)
                 self._live[rid] = _Live(seq, stream, max_output)
                 self.pipeline.scoring += p.prompt_logprobs is not None  # (a count)
-            if n > 1:
-                self._samples[request_id] = {f"{request_id}#{k}" for k in range(n)}
+            if len(samples) > 1:
+                self._samples[request_id] = {rid for rid, _ in samples}
             return len(ids)
 
     def abort_request(self, request_id: str) -> bool:
@@ -268,7 +263,7 @@ class LLMEngine(OfflineMixin):
         live = self._live.pop(rid)
         self.guided.drop(live.seq)
         self.pipeline.scoring -= live.seq.params.prompt_logprobs is not None
-        base = rid.rpartition("#")[0]
+        base = split_sample_id(rid)[0]
         group = self._samples.get(base)
         if group is not None and rid in group:
             group.remove(rid)

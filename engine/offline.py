@@ -5,7 +5,7 @@ from typing import Any
 
 from pagedq.engine.errors import EngineClosed
 from pagedq.engine.outputs import RequestOutput
-from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.sampling_params import SamplingParams, fan_out
 
 
 class OfflineMixin:
@@ -33,8 +33,7 @@ class OfflineMixin:
         for rid, prompt, p in zip(ids, prompts, params, strict=True):
             token_ids = self.encode(prompt)
             self.add_request(rid, token_ids, p)
-            for k in range(p.n):
-                sid = rid if p.n == 1 else f"{rid}#{k}"
+            for sid, _ in fan_out(rid, p):  # the engine's names of its samples
                 state[sid] = {"text": [], "ids": [], "lp": [], "reason": None,
                               "prompt": list(token_ids), "plp": None}
         bar = _progress(len(state), use_tqdm)
@@ -66,7 +65,7 @@ class OfflineMixin:
             if p.n == 1:
                 results.append(out(rid))
             else:
-                samples = [out(f"{rid}#{k}") for k in range(p.n)]
+                samples = [out(sid) for sid, _ in fan_out(rid, p)]
                 first = samples[0]
                 results.append(RequestOutput(rid, first.prompt_token_ids, first.text,
                                              first.token_ids, first.finish_reason,

@@ -101,8 +101,7 @@ def test_the_wire_and_the_engine_take_the_same_sampling_values():
     (not validated twice) equal SamplingParams built and checked from the same values."""
     import dataclasses
 
-    from pagedq.wire.sampling import WIRE_FIELDS, SamplingParams
-    from pagedq.worker.jobs import sampling_params
+    from pagedq.wire.sampling import WIRE_FIELDS, SamplingParams, fan_out
 
     fields = dataclasses.fields(SamplingParams)
     names = [f.name for f in fields if f.metadata.get("wire", True)]
@@ -120,8 +119,9 @@ def test_the_wire_and_the_engine_take_the_same_sampling_values():
     for body in ({"prompt": "x"}, {"prompt": "x", "stop": "\n", "seed": 2**63 - 1, "n": 3,
                                    "temperature": 0.5, "logprobs": 2, "min_tokens": 2}):
         req = JobRequest.model_validate(body)
-        for k in range(req.n):
-            got = sampling_params(req, k)
+        base = SamplingParams.of_request(req)
+        for k, (rid, got) in enumerate(fan_out("job", base)):
+            assert rid == ("job" if req.n == 1 else f"job#{k}")
             want = {**{n: getattr(req, n) for n in names}, "n": 1,
                     "seed": None if req.seed is None else (req.seed + k) % 2**63}
             assert got == SamplingParams(**want), (body, k)

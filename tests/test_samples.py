@@ -1,13 +1,12 @@
-"""One seed rule for a request's n samples (wire/sampling.py ``sample_seed``: sample k of
-seed s draws from (s + k) mod 2**63), taken by the offline engine and by the worker's
-choices: the same request gives the same samples offline and through a real worker, up to
+"""One fan-out for a request's n samples (wire/sampling.py ``fan_out``: sample k of seed s
+draws from (s + k) mod 2**63, its id "id#k"), taken by the offline engine and by the
+worker's choices: the same request gives the same samples offline and through a real worker, up to
 the largest seed."""
 from __future__ import annotations
 
 from pagedq.engine import LLMEngine, SamplingParams
-from pagedq.wire.sampling import sample_seed
+from pagedq.wire.sampling import fan_out, sample_seed, split_sample_id
 from pagedq.wire.schema import JobRequest
-from pagedq.worker.jobs import sampling_params
 from tests.worker_proc import TINY_KV_CACHE_GB
 
 TOP = 2**63 - 1  # the largest seed a request may carry
@@ -18,8 +17,11 @@ def test_the_seed_rule_wraps_below_two_to_the_63():
     assert [sample_seed(TOP, k) for k in range(3)] == [TOP, 0, 1]
     assert sample_seed(5, 2) == 7
     req = JobRequest(prompt=[1, 2, 3], model="m", seed=TOP, n=2, **SAMPLE)
-    assert [sampling_params(req, k).seed for k in range(2)] == [TOP, 0]
-    assert sampling_params(req, 1).n == 1
+    samples = fan_out("j", SamplingParams.of_request(req))
+    assert [(rid, p.seed, p.n) for rid, p in samples] == [("j#0", TOP, 1), ("j#1", 0, 1)]
+    assert [split_sample_id(rid) for rid, _ in samples] == [("j", 0), ("j", 1)]
+    one = SamplingParams(seed=3)
+    assert fan_out("j", one) == [("j", one)] and split_sample_id("j") == ("j", 0)
 
 
 def test_offline_n_samples_equal_the_same_job_through_a_worker(svc, tiny_dir):

@@ -16,6 +16,7 @@ strings, as JSON keys are).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import typing
 from dataclasses import dataclass, field
@@ -49,6 +50,36 @@ def sample_seed(seed: int, k: int) -> int:
     choices): one rule for the offline engine and the worker, so that the same request gives
     the same samples both ways, and every sample's seed stays in [0, 2**63)."""
     return (seed + k) % 2**63
+
+
+def sample_id(request_id: str, k: int, n: int) -> str:
+    """The engine request id of sample k of a request of n samples ("id#k"; the id itself
+    when n == 1). Request ids never contain '#' (job ids and key prefixes do not)."""
+    return request_id if n == 1 else f"{request_id}#{k}"
+
+
+def split_sample_id(rid: str) -> tuple[str, int]:
+    """``sample_id``'s inverse: (request id, k)."""
+    base, sep, k = rid.partition("#")
+    return base, int(k) if sep else 0
+
+
+def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """A request of ``params.n`` samples as that many engine requests of one sample each:
+    their ids (``sample_id``) and parameters (n = 1, sample k seeded ``sample_seed(seed,
+    k)``). The one place a request becomes its samples: the engine's add_request (so the
+    offline API) and the worker's choices both go through it."""
+    n = params.n
+    if n == 1:
+        return [(request_id, params)]
+    out = []
+    for k in range(n):
+        p = copy.copy(params)  # valid already: n = 1 and sample_seed stay in range
+        object.__setattr__(p, "n", 1)
+        if p.seed is not None:
+            object.__setattr__(p, "seed", sample_seed(p.seed, k))
+        out.append((sample_id(request_id, k, n), p))
+    return out
 
 
 def describe(e: ValidationError, limit: int = 8) -> str:

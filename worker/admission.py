@@ -29,8 +29,8 @@ from pagedq.worker.jobs import (
     BadEntry,
     Job,
     WorkerIdentity,
+    engine_requests,
     parse_entry,
-    sampling_params,
 )
 from pagedq.worker.metrics import Metrics
 from pagedq.worker.pacing import StepPacer
@@ -233,13 +233,13 @@ class Admission:
         prompt_tokens = 0
         lanes_ = self.ident.lanes
         priority = lanes.engine_priority(lanes_.index(job.lane), len(lanes_), req.priority)
-        guided = req.output_spec()
-        for k, choice in enumerate(job.choices):
+        requests = engine_requests(job, req, req.output_spec())
+        for choice, (rid, params) in zip(job.choices, requests, strict=True):
             if choice.finish_reason is not None:
                 continue
             prompt_tokens = self.engine.add_request(
-                job.request_id(k), prompt, sampling_params(req, k, guided), messages=messages,
-                priority=priority, resume_token_ids=choice.resumed_ids)
+                rid, prompt, params, messages=messages, priority=priority,
+                resume_token_ids=choice.resumed_ids)
         return prompt_tokens or len(self.engine.encode(prompt, messages))
 
     def _prefill_too_slow(self, job: Job) -> tuple[str, bool]:

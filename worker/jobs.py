@@ -16,10 +16,11 @@ import redis
 from pydantic import ValidationError
 
 from pagedq.engine.outputs import FinishReason as EngineReason
-from pagedq.engine.sampling_params import SamplingParams, sample_seed
+from pagedq.engine.sampling_params import SamplingParams
 from pagedq.wire.connection import is_cluster
 from pagedq.wire.guided import GuidedSpec
 from pagedq.wire.keys import JOB_ID_RE, Keys
+from pagedq.wire.sampling import fan_out, sample_id
 from pagedq.wire.schema import (
     SCHEMA_VERSION,
     FinishReason,
@@ -119,7 +120,8 @@ class Job:
         return self.keys.job(self.job_id)
 
     def request_id(self, k: int) -> str:
-        return self.uid if self.n == 1 else f"{self.uid}#{k}"
+        """Choice k's engine request id (``fan_out``'s)."""
+        return sample_id(self.uid, k, self.n)
 
     @property
     def done(self) -> bool:
@@ -153,12 +155,6 @@ _WIRE_REASON = {EngineReason.stop: FinishReason.stop, EngineReason.length: Finis
 def finish_reason_of(engine_reason: EngineReason | None) -> FinishReason:
     """The wire's finish reason of an engine request that ended (stop when unsaid)."""
     return _WIRE_REASON.get(engine_reason, FinishReason.stop)
-
-
-def split_request_id(rid: str) -> tuple[str, int]:
-    """Engine request id -> (job uid, choice). Job ids and prefixes never contain '#'."""
-    job_id, sep, k = rid.partition("#")
-    return job_id, int(k) if sep else 0
 
 
 def parse_entry(fields: dict[str, str], model: str, lane: str) -> JobRequest:
@@ -205,18 +201,15 @@ def parse_entry(fields: dict[str, str], model: str, lane: str) -> JobRequest:
     return req
 
 
-def sampling_params(req: JobRequest, choice: int = 0,
-                    guided: GuidedSpec | None = None) -> SamplingParams:
-    """Engine parameters of one choice: the request's sampling fields (one declaration,
-    wire/sampling.py; validated with the request), each choice an engine request of its own
-    (n = 1), and choice k of a seeded job drawing from ``sample_seed(seed, k)`` (the
-    offline engine's rule for its n samples too). ``guided``: the job's
-    output spec (``req.output_spec()``: its own, or its tools'), made once per job and
-    compiled by the engine at add_request (a ValueError there fails the job)."""
-    seed = None if req.seed is None else sample_seed(req.seed, choice)
-    return SamplingParams.of_request(req, n=1, seed=seed, guided=guided)
-
-
+def engine_requests(job: Job, req: JobRequest,
+                    guided: GuidedSpec | None = None) -> list[tuple[str, SamplingParams]]:
+    """The engine requests of a job's choices (``fan_out``: ids, n = 1 each, choice k of a
+    seeded job drawing from ``sample_seed(seed, k)``, as the offline engine's samples): the
+    request's sampling fields (one declaration, wire/sampling.py; validated with the
+    request). ``guided``: the job's output spec (``req.output_spec()``: its own, or its
+    tools'), made once per job and compiled by the engine at add_request (a ValueError there
+    fails the job)."""
+    return fan_out(job.uid, SamplingParams.of_request(req, guided=guided))
 
 
 def logprobs_json(lps: list[Any], token_text) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from pagedq.engine.llm_engine import LLMEngine
 from pagedq.wire import connection
 from pagedq.wire.keys import GROUP, Keys
 from pagedq.wire.redis_errors import RETRYABLE
+from pagedq.wire.sampling import split_sample_id
 from pagedq.wire.schema import FinishReason, Status
 from pagedq.wire.settings import Settings
 from pagedq.worker import fatal, faults, liveness, recovery
@@ -32,7 +33,6 @@ from pagedq.worker.jobs import (
     WorkerIdentity,
     finish_reason_of,
     logprobs_json,
-    split_request_id,
 )
 from pagedq.worker.metrics import Metrics, observe_many
 from pagedq.worker.pacing import StepPacer
@@ -244,7 +244,7 @@ class Worker:
             if job is None:
                 if "#" not in rid:
                     continue
-                rid, k = split_request_id(rid)
+                rid, k = split_sample_id(rid)
                 job = jobs.get(rid)
                 if job is None:
                     continue
