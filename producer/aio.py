@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 from pagedq.wire import script, scripts
 from pagedq.wire.connection import client_redis, diagnose_tls, is_cluster, start_async_cluster
-from pagedq.wire.guided import GuidedSpec
 from pagedq.wire.keys import Keys
 from pagedq.wire.redis_errors import RETRYABLE, RedisUnusable, is_fatal, looks_cut_by_tls
-from pagedq.wire.schema import ChatMessage, Event, JobRecord, JobRequest
+from pagedq.wire.schema import Event, JobRecord, JobRequest
 from pagedq.wire.settings import Settings
 
 from . import reader, requests, submit_params
 from .reader import Backoff
+from .submit_params import SubmitOptions
 
 T = TypeVar("T")
 
@@ -86,36 +86,17 @@ class AsyncClient:
         return run.value
 
     # -- submit
-    async def submit(self, prompt: str | list[int] | None = None, *,
-                     messages: list[dict[str, Any] | ChatMessage] | None = None,
-                     model: str | None = None, tools: list[dict[str, Any]] | None = None,
-                     tool_choice: str | dict[str, Any] | None = None,
-                     parallel_tool_calls: bool | None = None, max_tokens: int | None = None,
-                     temperature: float | None = None, top_p: float | None = None,
-                     top_k: int | None = None, min_p: float | None = None,
-                     repetition_penalty: float | None = None,
-                     presence_penalty: float | None = None,
-                     frequency_penalty: float | None = None,
-                     stop: list[str] | str | None = None, stop_token_ids: list[int] | None = None,
-                     seed: int | None = None, ignore_eos: bool | None = None,
-                     min_tokens: int | None = None, logprobs: int | None = None,
-                     prompt_logprobs: int | None = None,
-                     n: int | None = None, guided: dict[str, Any] | GuidedSpec | None = None,
-                     logit_bias: dict[int | str, float] | None = None,
-                     priority: int | None = None, lane: str | None = None,
-                     timeout_s: float | None = None, metadata: dict[str, str] | None = None,
-                     job_id: str | None = None, require_worker: bool = False,
-                     **openai: Any) -> str:
+    async def submit(self, prompt: str | list[int] | None = None,
+                     **options: Unpack[SubmitOptions]) -> str:
         """Validate and enqueue one generation job; returns its id. The parameters, their
         ranges and defaults are Client.submit's (each None = the wire default): prompt or
         messages; model, tools, tool_choice, parallel_tool_calls, max_tokens, temperature,
         top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, stop,
         stop_token_ids, seed, ignore_eos, min_tokens, logprobs, prompt_logprobs, n, guided,
-        logit_bias, priority, lane, timeout_s, metadata, job_id, require_worker; **openai:
+        logit_bias, priority, lane, timeout_s, metadata, job_id, require_worker; OpenAI's
         max_completion_tokens, top_logprobs, user, response_format."""
-        req = requests.build_request(prompt, messages, model or self.model, job_id,
-                                    submit_params.explicit(locals()), openai,
-                                    self.settings.partitions)
+        req, require_worker = submit_params.build(prompt, options, self.model,
+                                                  self.settings.partitions)
         return await self._submit(req, require_worker)
 
     async def submit_request(self, req: JobRequest | dict[str, Any],

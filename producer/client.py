@@ -23,20 +23,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import redis
 
 from pagedq.wire import script, scripts
 from pagedq.wire.connection import client_redis, diagnose_tls
-from pagedq.wire.guided import GuidedSpec
 from pagedq.wire.keys import Keys
 from pagedq.wire.redis_errors import RETRYABLE, RedisUnusable, is_fatal, looks_cut_by_tls
-from pagedq.wire.schema import ChatMessage, Event, JobRecord, JobRequest
+from pagedq.wire.schema import Event, JobRecord, JobRequest
 from pagedq.wire.settings import Settings
 
 from . import reader, requests, submit_params
 from .reader import RETRY_CAP_S, RETRY_FIRST_S, Backoff
+from .submit_params import SubmitOptions
 
 # the retry policy is re-exported from here, where it was first defined
 __all__ = ["RETRYABLE", "RETRY_CAP_S", "RETRY_FIRST_S", "Backoff", "Client"]
@@ -97,24 +97,8 @@ class Client:
         return run.value
 
     # -- submit
-    def submit(self, prompt: str | list[int] | None = None, *,
-               messages: list[dict[str, Any] | ChatMessage] | None = None,
-               model: str | None = None, tools: list[dict[str, Any]] | None = None,
-               tool_choice: str | dict[str, Any] | None = None,
-               parallel_tool_calls: bool | None = None, max_tokens: int | None = None,
-               temperature: float | None = None, top_p: float | None = None,
-               top_k: int | None = None, min_p: float | None = None,
-               repetition_penalty: float | None = None, presence_penalty: float | None = None,
-               frequency_penalty: float | None = None, stop: list[str] | str | None = None,
-               stop_token_ids: list[int] | None = None, seed: int | None = None,
-               ignore_eos: bool | None = None, min_tokens: int | None = None,
-               logprobs: int | None = None, prompt_logprobs: int | None = None,
-               n: int | None = None,
-               guided: dict[str, Any] | GuidedSpec | None = None,
-               logit_bias: dict[int | str, float] | None = None, priority: int | None = None,
-               lane: str | None = None, timeout_s: float | None = None,
-               metadata: dict[str, str] | None = None, job_id: str | None = None,
-               require_worker: bool = False, **openai: Any) -> str:
+    def submit(self, prompt: str | list[int] | None = None,
+               **options: Unpack[SubmitOptions]) -> str:
         """Validate and enqueue one generation job; returns its id. Idempotent per job id
         (the same id and body again returns the id; another body raises JobConflict).
         Raises InvalidRequest (nothing enqueued), Overloaded, NoWorker, JobConflict.
@@ -166,13 +150,12 @@ class Client:
         job_id: 1..128 of [A-Za-z0-9_.:-] [a new uuid4 hex]
         require_worker: refuse (NoWorker, nothing enqueued) unless a live worker serves
             the model [False]
-        **openai: OpenAI's names max_completion_tokens, top_logprobs (with logprobs=True),
-            user (-> metadata["user"]) and response_format (json_object, json_schema ->
-            guided); any other name is refused (InvalidRequest)
+        max_completion_tokens, top_logprobs (with logprobs=True), user (-> metadata["user"]),
+            response_format (json_object, json_schema -> guided): OpenAI's names; any
+            other name is refused (InvalidRequest)
         """
-        req = requests.build_request(prompt, messages, model or self.model, job_id,
-                                    submit_params.explicit(locals()), openai,
-                                    self.settings.partitions)
+        req, require_worker = submit_params.build(prompt, options, self.model,
+                                                  self.settings.partitions)
         return self._submit(req, require_worker)
 
     def submit_request(self, req: JobRequest | dict[str, Any],

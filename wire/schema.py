@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -20,6 +20,7 @@ from .sampling import (  # noqa: F401 - describe, MAX_N, MAX_TOKENS_LIMIT: the s
     MAX_N,
     MAX_STOP_STRINGS,
     MAX_TOKENS_LIMIT,
+    SamplingParams,
     Text,
     describe,
     with_sampling,
@@ -163,7 +164,15 @@ class _RequestHead(BaseModel):
     parallel_tool_calls: bool | None = None  # none = true
 
 
-class JobRequest(with_sampling(_RequestHead)):  # type: ignore[misc]
+if TYPE_CHECKING:  # with_sampling's fields as type checkers see them: SamplingParams' own
+    # declarations (tests/test_typing.py runs mypy over a user of them)
+    class _SampledHead(_RequestHead, SamplingParams):  # type: ignore[misc]
+        pass
+else:
+    _SampledHead = with_sampling(_RequestHead)
+
+
+class JobRequest(_SampledHead):
     """One generation job. Exactly one of ``prompt`` or ``messages``. ``n`` > 1 asks for
     n independent samples (choices) of the same prompt in one job."""
 
