@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pagedq.kernels.quant_matmul as qm  # noqa: E402
 from pagedq.kernels import quant_decode as qd  # noqa: E402
 from pagedq.kernels import quant_layout, reference  # noqa: E402
+from pagedq.kernels import quant_rows as qr  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 DT = torch.bfloat16
@@ -64,12 +65,15 @@ GEMV = [qd.Plan(False, 512, 8, 0), qd.Plan(False, 512, 4, 0), qd.Plan(False, 256
         qd.Plan(False, 128, 4, 0, warps=1), qd.Plan(False, 512, 8, 0, prefetch=False)]
 DOT = [qd.Plan(True, 64, 16, 0), qd.Plan(True, 128, 16, 0, warps=8),
        qd.Plan(True, 64, 16, 0, warps=8), qd.Plan(True, 256, 16, 0, warps=8)]
+# the rows GEMV (kernels/quant_rows.py), timed at 2..8 rows beside the DOT tiles
+ROWS_GEMV = [qd.Plan(False, 512, 1, 0), qd.Plan(False, 256, 1, 0, warps=2),
+             qd.Plan(False, 1024, 1, 0, warps=8), qd.Plan(False, 512, 2, 0)]
 # quant_matmul's tiles timed at 32 rows (docs/benchmarks.md's earlier winners there)
 TILES_32 = [qm.Config(32, 128, 128, split=2, unpack=1), qm.Config(32, 128, 128, split=16, unpack=1),
             qm.Config(16, 32, 128, split=1, stages=4), qm.Config(32, 128, 128, unpack=1)]
 if SMOKE:
     SHAPES, ROWS, ROTATE_BYTES = {"a": (256, 96), "b": (512, 64)}, (1, 5, 40), 1 << 16
-    GEMV, DOT = GEMV[:2], DOT[:1]
+    GEMV, DOT, ROWS_GEMV = GEMV[:2], DOT[:1], ROWS_GEMV[:1]
 
 
 def log(msg: str) -> None:
@@ -211,7 +215,8 @@ def gemm_point(name: str, k: int, n: int, m: int, copy_bw: float, bits: int = 4,
     if m <= qd.MAX_ROWS and qd.serves(m, bits, group):
         plans = [qd.plan(m, n, k, bits, sms)]
         if sweep:
-            plans += [qd.fit_splits(p, n, k, bits, sms) for p in (GEMV if m == 1 else DOT)]
+            few = GEMV if m == 1 else DOT + (ROWS_GEMV if m <= qr.MAX_ROWS else [])
+            plans += [qd.fit_splits(p, n, k, bits, sms) for p in few]
             plans += [dataclasses.replace(plans[0], splits=sp) for sp in  # around the grid rule
                       (plans[0].splits // 2, plans[0].splits * 2) if sp >= 1]
         for p in dict.fromkeys(plans):

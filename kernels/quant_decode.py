@@ -15,6 +15,7 @@ Two programs, one output tile [rows, BLOCK_N] and a run of K tiles of KP word ro
   GEMV (one row, the single-sequence step): float32 FMAs on the CUDA cores; a thread owns
     some word rows x 4 columns and accumulates a [KP, BLOCK_N] partial in registers, summed
     over rows once at the end;
+  GEMV of 2..8 rows: kernels/quant_rows.py (each code dequantized once, one FMA a row);
   DOT (2..MAX_ROWS rows): each of the P codes of a word row is a [KP, BLOCK_N] slice of W
     (rows p * P + j), dequantized to x's dtype and fed to tl.dot with x's matching columns.
 A word's P codes must share a scale group (GROUP % P == 0); each word row loads its group's
@@ -35,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedq.kernels import layout
+from pagedq.kernels import layout, quant_rows
+from pagedq.kernels.quant_parts import code_as_float, finish, k_tile, unit
 
 MAX_ROWS = 16  # rows served here; more go to kernels/quant_matmul.py's tiles
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # device -> int32 counters, all 0
@@ -56,71 +58,6 @@ class Plan:
     def name(self) -> str:
         return (f"{'dot' if self.dot else 'gemv'}-n{self.block_n}kp{self.kp}s{self.splits}"
                 f"w{self.warps}st{self.stages}{'p' if self.prefetch else ''}")
-
-
-@triton.jit
-def _tile(q_ptr, s_ptr, o_ptr, x_ptr, t, offs_p, offs_n, n_ok, N, NP, p_end,
-          BITS: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
-          ONE_GROUP: tl.constexpr, X_WORDS: tl.constexpr, KP: tl.constexpr):
-    """K tile t: its words [KP, BLOCK_N] and its scales (and offsets) as float32: one row
-    [BLOCK_N] when the tile lies in one group (ONE_GROUP), else each word row's
-    [KP, BLOCK_N]; X_WORDS: the one row of x's values for the tile's word rows, [KP, P / 2]
-    int32 pairs of 16-bit values (the GEMV's PAIRS == 2). Word rows from p_end on load as 0
-    (x's) or as anything finite (the words': they meet x = 0 only)."""
-    P: tl.constexpr = 32 // BITS
-    p = t * KP + offs_p
-    ok = (p < p_end)[:, None] & n_ok[None, :]
-    # no fill value: a masked word's garbage makes finite floats that meet x = 0 only
-    words = tl.load(q_ptr + p[:, None] * N + offs_n[None, :], mask=ok)
-    if ONE_GROUP:  # [1, BLOCK_N]: the words' layout, no conversion
-        # (a prefetch past the last tile reads the last group's row, used by nothing)
-        g = tl.minimum((t * KP * P) // GROUP, tl.cdiv(NP * P, GROUP) - 1)
-        ptrs = g * N + offs_n[None, :]
-        s = tl.load(s_ptr + ptrs, mask=n_ok[None, :], other=0.0).to(tl.float32)
-        o = s
-        if HAS_OFFSET:
-            o = tl.load(o_ptr + ptrs, mask=n_ok[None, :], other=0.0).to(tl.float32)
-    else:
-        g = (p * P) // GROUP
-        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0)
-        s = s.to(tl.float32)
-        o = s
-        if HAS_OFFSET:
-            o = tl.load(o_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0)
-            o = o.to(tl.float32)
-    xw = words
-    if X_WORDS:
-        xw = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + (p * (P // 2))[:, None]
-                     + tl.arange(0, P // 2)[None, :], mask=(p < p_end)[:, None], other=0)
-    return words, s, o, xw
-
-
-@triton.jit
-def _code_as_float(words, m16, m256, J: tl.constexpr, BITS: tl.constexpr):
-    """Code J of each word as the float UNIT + code (exact; UNIT = ``_unit(J, BITS)``): the
-    code moved into the top mantissa bits of UNIT's float, m16 = 16.0's bits (0x41800000)
-    or m256 = 256.0's (0x43800000), by one shift and one and-or. 4-bit codes come in pairs
-    from one shift: code J + 1 (J even) in the top 4 mantissa bits (UNIT 16), code J four
-    bits below (UNIT 256). The magics come at run time so that the and-or stays one LOP3
-    with the mask as its immediate."""
-    FOUR: tl.constexpr = 4 // BITS  # 1 for 4-bit codes, 0 for 8-bit
-    SH: tl.constexpr = FOUR * (19 - 4 * (J + 1 - J % 2)) + (1 - FOUR) * (15 - 8 * J)
-    MASK: tl.constexpr = FOUR * (0x780000 >> (4 * (1 - J % 2))) + (1 - FOUR) * 0x7F8000
-    if SH >= 0:
-        moved = words << SH
-    else:
-        moved = words >> (-SH)
-    if FOUR * (J % 2) == 1:
-        f = (moved & MASK) | m16
-    else:
-        f = (moved & MASK) | m256
-    return f.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _unit(J: tl.constexpr, BITS: tl.constexpr):
-    """UNIT of code J (``_code_as_float``): 16 for the odd codes of 4-bit words, else 256."""
-    return 256 - 240 * (4 // BITS) * (J % 2)
 
 
 @triton.jit
@@ -161,37 +98,6 @@ def _x_row(x_ptr, perm_ptr, k, k_ok, HAS_PERM: tl.constexpr):
     return tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
 
 
-@triton.jit
-def _finish(acc, offs_m, m_ok, offs_n, n_ok, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, s_ym,
-            splits, pid_n, pid_k, HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] is this program's share of y's tile: write y, or the partial
-    and, for the last program of the column tile, y from all partials (module doc)."""
-    mask = m_ok[:, None] & n_ok[None, :]
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * s_ym + offs_n[None, :]
-    if splits == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        ws_rows = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(ws_rows + pid_k.to(tl.int64) * M * N, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the release
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:  # CHUNK partials' loads in flight at a time, summed in a
-            # fixed order
-            total = tl.zeros(acc.shape, dtype=tl.float32)
-            offs_c = tl.arange(0, CHUNK)
-            for c0 in range(0, splits, CHUNK):
-                c = c0 + offs_c
-                ptrs = ws_rows[None, :, :] + (c.to(tl.int64) * M * N)[:, None, None]
-                total += tl.sum(tl.load(ptrs, mask=(c < splits)[:, None, None] & mask[None],
-                                        other=0.0, cache_modifier=".cg"), axis=0)
-            if HAS_BIAS:
-                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-
-
 @triton.jit(do_not_specialize=["M", "tiles_per_split", "splits", "m16", "m256"])
 def _decode_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                    M, N, K, s_xm, s_ym, tiles_per_split, splits, m16, m256,
@@ -216,18 +122,18 @@ def _decode_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, c
     part = tl.zeros((KP, BLOCK_N), dtype=tl.float32)  # GEMV, else: rows summed at the end
     p_end = tl.minimum(NP, t1 * KP)  # this program's word rows end there
     X_WORDS: tl.constexpr = not DOT and PAIRS == 2
-    words, s, o, xw = _tile(q_ptr, s_ptr, o_ptr, x_ptr, t0, offs_p, offs_n, n_ok, N, NP, p_end,
+    words, s, o, xw = k_tile(q_ptr, s_ptr, o_ptr, x_ptr, t0, offs_p, offs_n, n_ok, N, NP, p_end,
                             BITS, GROUP, HAS_OFFSET, ONE_GROUP, X_WORDS, KP)
     for t in range(t0, t1):
         if PREFETCH:  # the next tile's loads in flight while this one computes
-            nwords, ns, no, nxw = _tile(q_ptr, s_ptr, o_ptr, x_ptr, t + 1, offs_p, offs_n, n_ok,
+            nwords, ns, no, nxw = k_tile(q_ptr, s_ptr, o_ptr, x_ptr, t + 1, offs_p, offs_n, n_ok,
                                         N, NP, p_end, BITS, GROUP, HAS_OFFSET, ONE_GROUP,
                                         X_WORDS, KP)
         p = t * KP + offs_p
         p_ok = p < NP
         if DOT:  # W's row p * P + j = ((f - 1) * UNIT - ZP) * s (+ o)
             for j in tl.static_range(P):
-                w = _code_as_float(words, m16, m256, j, BITS) * s - s * (_unit(j, BITS) + ZP)
+                w = code_as_float(words, m16, m256, j, BITS) * s - s * (unit(j, BITS) + ZP)
                 if HAS_OFFSET:
                     w += o
                 xj = _x_cols(x_ptr, perm_ptr, offs_m, m_ok, s_xm, p * P + j, p_ok, HAS_PERM)
@@ -259,17 +165,17 @@ def _decode_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, c
                         v = xw3
                     x0 = (v << 16).to(tl.float32, bitcast=True)
                     x1 = (v & -65536).to(tl.float32, bitcast=True)
-                    a += x0[:, None] * _code_as_float(words, m16, m256, 2 * h, BITS)
-                    a += x1[:, None] * _code_as_float(words, m16, m256, 2 * h + 1, BITS)
-                    xc += x0 * (_unit(2 * h, BITS) + ZP) + x1 * (_unit(2 * h + 1, BITS) + ZP)
+                    a += x0[:, None] * code_as_float(words, m16, m256, 2 * h, BITS)
+                    a += x1[:, None] * code_as_float(words, m16, m256, 2 * h + 1, BITS)
+                    xc += x0 * (unit(2 * h, BITS) + ZP) + x1 * (unit(2 * h + 1, BITS) + ZP)
                     if HAS_OFFSET:
                         xs += x0 + x1
             else:
                 for h in tl.static_range(P // 2):
                     x0, x1 = _x_pair(x_ptr, perm_ptr, p, p_ok, 2 * h, P, HAS_PERM, PAIRS)
-                    a += x0[:, None] * _code_as_float(words, m16, m256, 2 * h, BITS)
-                    a += x1[:, None] * _code_as_float(words, m16, m256, 2 * h + 1, BITS)
-                    xc += x0 * (_unit(2 * h, BITS) + ZP) + x1 * (_unit(2 * h + 1, BITS) + ZP)
+                    a += x0[:, None] * code_as_float(words, m16, m256, 2 * h, BITS)
+                    a += x1[:, None] * code_as_float(words, m16, m256, 2 * h + 1, BITS)
+                    xc += x0 * (unit(2 * h, BITS) + ZP) + x1 * (unit(2 * h + 1, BITS) + ZP)
                     if HAS_OFFSET:
                         xs += x0 + x1
             if ONE_GROUP:  # rows summed per tile (in-thread: the warps lie along N)
@@ -283,11 +189,11 @@ def _decode_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, c
         if PREFETCH:
             words, s, o, xw = nwords, ns, no, nxw
         else:
-            words, s, o, xw = _tile(q_ptr, s_ptr, o_ptr, x_ptr, t + 1, offs_p, offs_n, n_ok, N,
+            words, s, o, xw = k_tile(q_ptr, s_ptr, o_ptr, x_ptr, t + 1, offs_p, offs_n, n_ok, N,
                                     NP, p_end, BITS, GROUP, HAS_OFFSET, ONE_GROUP, X_WORDS, KP)
     if not DOT and not ONE_GROUP:
         acc = tl.sum(part, axis=0)[None, :]
-    _finish(acc, offs_m, m_ok, offs_n, n_ok, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, s_ym,
+    finish(acc, offs_m, m_ok, offs_n, n_ok, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, s_ym,
             splits, pid_n, pid_k, HAS_BIAS, 8 // BLOCK_M if BLOCK_M < 8 else 1)
 
 
@@ -357,8 +263,9 @@ def decode_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     n = qweight.shape[1]
     sms = num_sms(x.device)
     p = fit_splits(p, n, k, bits, sms) if p is not None else plan(m, n, k, bits, sms)
-    if not p.dot and m != 1:
-        raise ValueError(f"quant_decode: the GEMV plan takes one row, got {m}")
+    if not p.dot and m > quant_rows.MAX_ROWS:
+        raise ValueError(f"quant_decode: a GEMV plan takes 1 to {quant_rows.MAX_ROWS} rows, "
+                         f"got {m}")
     if p.dot and p.kp < 16:
         raise ValueError(f"quant_decode: a DOT plan needs kp >= 16 (tl.dot's K), got {p.kp}")
     k_tiles = triton.cdiv(k // (32 // bits), p.kp)
@@ -370,6 +277,19 @@ def decode_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     cnt = _counters(x.device, tiles)  # (compiled in even when splits == 1)
     # fp32 x: exact fp32 dots; so does the CPU interpreter, whose bf16 dot is wrong
     f32_dot = x.dtype == torch.float32 or x.device.type == "cpu"
+    if not p.dot and m > 1:  # the rows GEMV (kernels/quant_rows.py)
+        if p.kp not in (1, 2):
+            raise ValueError(f"quant_decode: a GEMV plan of several rows takes kp 1 or 2, "
+                             f"got {p.kp}")
+        quant_rows._rows_kernel[(tiles, splits)](
+            x, qweight, scales, offsets if offsets is not None else scales,
+            perm if perm is not None else qweight, bias if bias is not None else scales, y, ws,
+            cnt, m, n, k, x.stride(0), y.stride(0), per, splits, 0x41800000, 0x43800000,
+            BITS=bits, GROUP=group_size, ZP=zero_point, HAS_OFFSET=offsets is not None,
+            HAS_PERM=perm is not None, HAS_BIAS=bias is not None, PREFETCH=p.prefetch,
+            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=p.block_n, KP=p.kp, num_warps=p.warps,
+            num_stages=p.stages)
+        return y
     block_m = 1 if not p.dot else max(16, triton.next_power_of_2(m))
     _decode_kernel[(tiles, splits)](
         x, qweight, scales, offsets if offsets is not None else scales,

@@ -1,4 +1,4 @@
-"""The few-rows quantized GEMM (kernels/quant_decode.py) against its twin
+"""The few-rows quantized GEMM (kernels/quant_decode.py, kernels/quant_rows.py) against its twin
 (kernels/reference.py). Without CUDA the kernels run under TRITON_INTERPRET=1 on small
 shapes (set before the kernel modules are imported, as in tests/test_quant_kernels.py);
 with CUDA the same cases run on the GPU, CUDA graphs included."""
@@ -12,10 +12,11 @@ from tests.interpreted import CUDA, DEV, interpreted  # first: sets the interpre
 # isort: split
 import pagedq.kernels.quant_decode as qd
 import pagedq.kernels.quant_matmul as qm
+import pagedq.kernels.quant_rows as qr
 from pagedq.kernels import reference
 from tests.test_quant_kernels import TOL, make_weight, relerr
 
-interpreted((qd, "_decode_kernel"), (qm, "_qmm_kernel"))
+interpreted((qd, "_decode_kernel"), (qr, "_rows_kernel"), (qm, "_qmm_kernel"))
 
 FORMATS = [  # (bits, group, zero_point, offsets dtype, act-order, bias)
     (4, 32, 8, None, False, False),  # GGUF Q4_0 / GPTQ sym g32
@@ -46,7 +47,17 @@ def test_every_format_matches_the_twin(bits, group, zp, odt, perm, bias, m):
         check(m, 384, 200, bits, group, zp, odt, perm, bias, dtype, seed=m)
 
 
+@pytest.mark.parametrize("bits,group,zp,odt,perm,bias", FORMATS)
+def test_the_rows_gemv_matches_the_twin(bits, group, zp, odt, perm, bias):
+    """The GEMV plans at 2..8 rows (kernels/quant_rows.py): every format, split or not."""
+    for m, plan in ((2, qd.Plan(False, 128, 2, 3)), (5, qd.Plan(False, 256, 1, 0, warps=2)),
+                    (8, qd.Plan(False, 64, 2, 2, prefetch=False))):
+        for dtype in (torch.bfloat16, torch.float16):
+            check(m, 384, 200, bits, group, zp, odt, perm, bias, dtype, plan, seed=m)
+
+
 PLANS = [qd.Plan(False, 128, 4, 3), qd.Plan(False, 256, 8, 0, warps=2),
+         qd.Plan(False, 128, 2, 3), qd.Plan(False, 64, 1, 0, prefetch=False),
          qd.Plan(False, 512, 16, 1, prefetch=False), qd.Plan(True, 32, 16, 2),
          qd.Plan(True, 64, 32, 0, prefetch=False), qd.Plan(True, 128, 16, 5, warps=8)]
 
@@ -57,12 +68,14 @@ def test_ragged_shapes_and_splits(plan, group):
     """K not a multiple of the tile (a short last tile and group), N of one to three column
     tiles with a ragged last one, splits that leave the last short or that exceed the K
     tiles: every plan equals the twin."""
-    m = 1 if not plan.dot else 7
-    for k, n in ((72, 5), (328, plan.block_n * 2 + 17), (520, plan.block_n * 3)):
-        for bits, zp in ((4, 8), (8, 128)):
-            if group % (32 // bits) or k % (32 // bits):
-                continue
-            check(m, k, n, bits, group, zp, None, group == 64, False, torch.bfloat16, plan)
+    rows = (1, 3) if not plan.dot and plan.kp <= 2 else (1,) if not plan.dot else (7,)
+    for m in rows:  # (GEMV plans of kp <= 2: one row, or the rows GEMV)
+        for k, n in ((72, 5), (328, plan.block_n * 2 + 17), (520, plan.block_n * 3)):
+            for bits, zp in ((4, 8), (8, 128)):
+                if group % (32 // bits) or k % (32 // bits):
+                    continue
+                check(m, k, n, bits, group, zp, None, group == 64, False, torch.bfloat16,
+                      plan)
 
 
 def test_split_counters_return_to_zero_and_results_repeat():
@@ -95,8 +108,10 @@ def test_quant_matmul_sends_few_rows_here_and_plans_fill_the_gpu():
     assert relerr(qm.quant_matmul(x, q, s, o, 4, 32, 8), ref) < TOL[torch.float32]
     with pytest.raises(ValueError, match="kp >= 16"):
         qd.decode_matmul(x.expand(2, 64), q, s, o, 4, 32, 8, p=qd.Plan(True, 32, 8, 1))
-    with pytest.raises(ValueError, match="one row"):
-        qd.decode_matmul(x.expand(2, 64), q, s, o, 4, 32, 8, p=qd.Plan(False, 32, 8, 1))
+    with pytest.raises(ValueError, match="kp 1 or 2"):
+        qd.decode_matmul(x.expand(3, 64), q, s, o, 4, 32, 8, p=qd.Plan(False, 32, 4, 1))
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        qd.decode_matmul(x.expand(9, 64), q, s, o, 4, 32, 8, p=qd.Plan(False, 32, 8, 1))
 
 
 def test_unaligned_x_takes_the_one_by_one_loads():
