@@ -50,14 +50,13 @@ def test_every_format_matches_the_twin(bits, group, zp, odt, perm, bias, m):
 @pytest.mark.parametrize("bits,group,zp,odt,perm,bias", FORMATS)
 def test_the_rows_gemv_matches_the_twin(bits, group, zp, odt, perm, bias):
     """The GEMV plans at 2..8 rows (kernels/quant_rows.py): every format, split or not."""
-    for m, plan in ((2, qd.Plan(False, 128, 2, 3)), (5, qd.Plan(False, 256, 1, 0, warps=2)),
-                    (8, qd.Plan(False, 64, 2, 2, prefetch=False))):
-        for dtype in (torch.bfloat16, torch.float16):
-            check(m, 384, 200, bits, group, zp, odt, perm, bias, dtype, plan, seed=m)
+    for m, plan, dtype in ((2, qd.Plan(False, 128, 2, 3), torch.bfloat16),
+                           (5, qd.Plan(False, 256, 1, 0, warps=2), torch.float16),
+                           (8, qd.Plan(False, 64, 2, 2, prefetch=False), torch.bfloat16)):
+        check(m, 384, 200, bits, group, zp, odt, perm, bias, dtype, plan, seed=m)
 
 
 PLANS = [qd.Plan(False, 128, 4, 3), qd.Plan(False, 256, 8, 0, warps=2),
-         qd.Plan(False, 128, 2, 3), qd.Plan(False, 64, 1, 0, prefetch=False),
          qd.Plan(False, 512, 16, 1, prefetch=False), qd.Plan(True, 32, 16, 2),
          qd.Plan(True, 64, 32, 0, prefetch=False), qd.Plan(True, 128, 16, 5, warps=8)]
 
@@ -68,14 +67,22 @@ def test_ragged_shapes_and_splits(plan, group):
     """K not a multiple of the tile (a short last tile and group), N of one to three column
     tiles with a ragged last one, splits that leave the last short or that exceed the K
     tiles: every plan equals the twin."""
-    rows = (1, 3) if not plan.dot and plan.kp <= 2 else (1,) if not plan.dot else (7,)
-    for m in rows:  # (GEMV plans of kp <= 2: one row, or the rows GEMV)
-        for k, n in ((72, 5), (328, plan.block_n * 2 + 17), (520, plan.block_n * 3)):
-            for bits, zp in ((4, 8), (8, 128)):
-                if group % (32 // bits) or k % (32 // bits):
-                    continue
-                check(m, k, n, bits, group, zp, None, group == 64, False, torch.bfloat16,
-                      plan)
+    m = 1 if not plan.dot else 7
+    for k, n in ((72, 5), (328, plan.block_n * 2 + 17), (520, plan.block_n * 3)):
+        for bits, zp in ((4, 8), (8, 128)):
+            if group % (32 // bits) or k % (32 // bits):
+                continue
+            check(m, k, n, bits, group, zp, None, group == 64, False, torch.bfloat16, plan)
+
+
+@pytest.mark.parametrize("plan", [qd.Plan(False, 64, 1, 0, prefetch=False),
+                                  qd.Plan(False, 128, 2, 3)], ids=lambda p: p.name)
+def test_the_rows_gemv_on_ragged_shapes(plan):
+    """The rows GEMV where K ends inside a tile and a group, N is 1-3 column tiles with a
+    ragged last one, and the splits leave the last short (act-order, group 64)."""
+    for k, n in ((72, 5), (328, plan.block_n * 2 + 17)):
+        for bits, zp in ((4, 8), (8, 128)):
+            check(3, k, n, bits, 64, zp, None, True, False, torch.bfloat16, plan)
 
 
 def test_split_counters_return_to_zero_and_results_repeat():
