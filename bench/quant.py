@@ -67,7 +67,7 @@ DOT = [qd.Plan(True, 64, 16, 0), qd.Plan(True, 128, 16, 0, warps=8),
        qd.Plan(True, 64, 16, 0, warps=8), qd.Plan(True, 256, 16, 0, warps=8)]
 # the rows GEMV (kernels/quant_rows.py), timed at 2..8 rows beside the DOT tiles
 ROWS_GEMV = [qd.Plan(False, 512, 1, 0), qd.Plan(False, 256, 1, 0, warps=2),
-             qd.Plan(False, 1024, 1, 0, warps=8), qd.Plan(False, 512, 2, 0)]
+             qd.Plan(False, 1024, 1, 0, warps=8), qd.Plan(False, 512, 1, 0, prefetch=False)]
 # quant_matmul's tiles timed at 32 rows (docs/benchmarks.md's earlier winners there)
 TILES_32 = [qm.Config(32, 128, 128, split=2, unpack=1), qm.Config(32, 128, 128, split=16, unpack=1),
             qm.Config(16, 32, 128, split=1, stages=4), qm.Config(32, 128, 128, unpack=1)]

@@ -278,9 +278,9 @@ def decode_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     # fp32 x: exact fp32 dots; so does the CPU interpreter, whose bf16 dot is wrong
     f32_dot = x.dtype == torch.float32 or x.device.type == "cpu"
     if not p.dot and m > 1:  # the rows GEMV (kernels/quant_rows.py)
-        if p.kp not in (1, 2):
-            raise ValueError(f"quant_decode: a GEMV plan of several rows takes kp 1 or 2, "
-                             f"got {p.kp}")
+        if p.kp != 1:
+            raise ValueError(f"quant_decode: a GEMV plan of several rows takes kp 1, got "
+                             f"{p.kp}")
         quant_rows._rows_kernel[(tiles, splits)](
             x, qweight, scales, offsets if offsets is not None else scales,
             perm if perm is not None else qweight, bias if bias is not None else scales, y, ws,

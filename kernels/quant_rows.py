@@ -11,9 +11,10 @@ tile through shared memory. Per code that is about 2.5 + M instructions: below t
 bandwidth's cost up to a few rows, and measured against the tiles per shape
 (bench/quant.py; ``quant_decode.TUNED``).
 
-A program owns an output tile [BLOCK_M, BLOCK_N] and a run of K tiles of KP (1 or 2) word
-rows; each thread holds its columns' accumulators for every row, and each weight row it
-dequantizes is a rank-1 update of them (one FMA a row); K is split as in
+A program owns an output tile [BLOCK_M, BLOCK_N] and a run of K tiles of one word row
+(KP = 1) each: each thread holds its columns' accumulators for every row of x, and each
+weight row it dequantizes is a rank-1 update of them (one FMA a row); x's P columns of the
+word row come in one load a row (act-order: one by one). K is split as in
 quant_decode (``finish``: the last program of a column tile sums the partials in split
 order; the same counters and invariant).
 """
@@ -28,15 +29,43 @@ MAX_ROWS = 8
 
 
 @triton.jit
-def _rank1(acc, w, x_ptr, perm_ptr, offs_m, m_ok, s_xm, p, p_end, P: tl.constexpr,
-           J: tl.constexpr, HAS_PERM: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] += x[:, p * P + J] (x) w [1, BLOCK_N]: one FMA a row."""
-    ok = m_ok & (p < p_end)  # [BLOCK_M]
-    k = p * P + J + offs_m * 0  # (p: [1], one word row)
-    if HAS_PERM:  # act-order: x's columns perm[k]
-        k = tl.load(perm_ptr + k, mask=ok, other=0)
-    xj = tl.load(x_ptr + offs_m * s_xm + k, mask=ok, other=0.0)
-    return acc + xj.to(tl.float32)[:, None] * w
+def _columns(xt, BLOCK_M: tl.constexpr, P: tl.constexpr):
+    """x's tile [BLOCK_M, P] (P = 8 or 4) as its P columns [BLOCK_M], in order (P = 4: the
+    last four are the first four again, unused)."""
+    ev, od = tl.split(tl.reshape(xt, (BLOCK_M, P // 2, 2)))  # columns 0, 2, .. / 1, 3, ..
+    if P == 8:
+        e0, e1 = tl.split(tl.reshape(ev, (BLOCK_M, 2, 2)))  # 0, 4 / 2, 6
+        o0, o1 = tl.split(tl.reshape(od, (BLOCK_M, 2, 2)))  # 1, 5 / 3, 7
+        c0, c4 = tl.split(e0)
+        c2, c6 = tl.split(e1)
+        c1, c5 = tl.split(o0)
+        c3, c7 = tl.split(o1)
+    else:
+        c0, c2 = tl.split(ev)
+        c1, c3 = tl.split(od)
+        c4, c5, c6, c7 = c0, c1, c2, c3
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _pick(xs, J: tl.constexpr):
+    c0, c1, c2, c3, c4, c5, c6, c7 = xs
+    if J == 0:
+        return c0
+    elif J == 1:
+        return c1
+    elif J == 2:
+        return c2
+    elif J == 3:
+        return c3
+    elif J == 4:
+        return c4
+    elif J == 5:
+        return c5
+    elif J == 6:
+        return c6
+    else:
+        return c7
 
 
 @triton.jit(do_not_specialize=["M", "tiles_per_split", "splits", "m16", "m256"])
@@ -46,8 +75,9 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, cnt
                  HAS_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  KP: tl.constexpr):
+    tl.static_assert(KP == 1)
     P: tl.constexpr = 32 // BITS
-    ONE_GROUP: tl.constexpr = GROUP % (KP * P) == 0  # every K tile inside one group
+    ONE_GROUP: tl.constexpr = GROUP % P == 0  # (always: quant_decode.serves)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NP = K // P
@@ -57,8 +87,8 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, cnt
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     t0 = pid_k * tiles_per_split
-    t1 = tl.minimum(t0 + tiles_per_split, tl.cdiv(NP, KP))
-    p_end = tl.minimum(NP, t1 * KP)
+    t1 = tl.minimum(t0 + tiles_per_split, NP)
+    p_end = t1
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     words, s, o, _ = k_tile(q_ptr, s_ptr, o_ptr, x_ptr, t0, offs_p, offs_n, n_ok, N, NP,
                             p_end, BITS, GROUP, HAS_OFFSET, ONE_GROUP, False, KP)
@@ -67,22 +97,23 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, o_ptr, perm_ptr, b_ptr, y_ptr, ws_ptr, cnt
             nwords, ns, no, _ = k_tile(q_ptr, s_ptr, o_ptr, x_ptr, t + 1, offs_p, offs_n, n_ok,
                                        N, NP, p_end, BITS, GROUP, HAS_OFFSET, ONE_GROUP,
                                        False, KP)
-        p = t * KP + offs_p
+        p = t + offs_p  # [1]: one word row a tile
+        if not HAS_PERM:  # x's P columns of the row, one load a row of x, split in registers
+            xt = tl.load(x_ptr + offs_m[:, None] * s_xm + t * P + tl.arange(0, P)[None, :],
+                         mask=m_ok[:, None] & (p < p_end)[None, :], other=0.0).to(tl.float32)
+            xs = _columns(xt, BLOCK_M, P)
         for j in tl.static_range(P):
-            # W's rows p * P + j [KP, BLOCK_N], dequantized once for every row of x
+            # W's row t * P + j [1, BLOCK_N], dequantized once for every row of x
             w = code_as_float(words, m16, m256, j, BITS) * s - s * (unit(j, BITS) + ZP)
             if HAS_OFFSET:
                 w += o
-            if KP == 1:
-                acc = _rank1(acc, w, x_ptr, perm_ptr, offs_m, m_ok, s_xm, p, p_end, P, j,
-                             HAS_PERM)
-            else:  # KP == 2: the two word rows one by one (a thread holds both)
-                w0, w1 = tl.split(tl.permute(w, (1, 0)))
-                p0, p1 = tl.split(tl.reshape(p, (1, 2)))
-                acc = _rank1(acc, w0[None, :], x_ptr, perm_ptr, offs_m, m_ok, s_xm, p0, p_end,
-                             P, j, HAS_PERM)
-                acc = _rank1(acc, w1[None, :], x_ptr, perm_ptr, offs_m, m_ok, s_xm, p1, p_end,
-                             P, j, HAS_PERM)
+            if HAS_PERM:  # act-order: x's columns perm[k], one by one
+                ok = m_ok & (p < p_end)
+                k = tl.load(perm_ptr + p * P + j + offs_m * 0, mask=ok, other=0)
+                xj = tl.load(x_ptr + offs_m * s_xm + k, mask=ok, other=0.0).to(tl.float32)
+            else:
+                xj = _pick(xs, j)
+            acc += xj[:, None] * w
         if PREFETCH:
             words, s, o = nwords, ns, no
         else:
