@@ -98,6 +98,20 @@ class Tick:
             if not self.rt.store.commit(self.batch_id, self.token, len(items), cut,
                                         usage_of(outs)):
                 return False
+            self.release(items)
+
+    def release(self, items: list[str]) -> None:
+        """The collected jobs' lines are in the files: drop their out streams, keep their
+        records ``batch_collected_ttl_s`` (a crash before this leaves them their service
+        TTL, PAGEDQ_RESULT_TTL_S)."""
+        keys, ttl = self.rt.bkeys(self.batch_id), self.rt.bs.batch_collected_ttl_s
+        with self.rt.r.pipeline(transaction=False) as pipe:
+            for x in items:
+                if x.isdigit():
+                    jid = L.job_id(self.batch_id, int(x))
+                    pipe.delete(keys.out(jid))
+                    pipe.expire(keys.job(jid), ttl)
+            pipe.execute()
 
     def shape(self, items: list[str]) -> tuple[list[dict], list[dict], int]:
         r, keys, h = self.rt.r, self.rt.bkeys(self.batch_id), self.h

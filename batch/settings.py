@@ -48,6 +48,9 @@ class BatchSettings(BaseSettings):
     # after expires_at + this, jobs the service has not ended yet are cancelled (reported
     # batch_expired), so the batch ends even when workers are busy or gone
     batch_expiry_grace_s: float = Field(10.0, ge=0)
+    # a job's out stream is deleted once its line is in the output or error file, and its
+    # record kept this long after (not the service's PAGEDQ_RESULT_TTL_S)
+    batch_collected_ttl_s: int = Field(300, ge=1)
     # a terminal batch's record is kept this long (its files stay until you delete them)
     batch_record_ttl_s: int = Field(30 * 86400, ge=60)
 
