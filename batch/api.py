@@ -83,14 +83,14 @@ class Batches:
         token, chain = new_token(), new_token()
         try:
             try:
-                size, _, sha = F.copy_input(Path(input_file), files.input,
+                size, lines, sha = F.copy_input(Path(input_file), files.input,
                                             self.bs.batch_max_bytes, self.bs.batch_max_lines)
             except OSError as e:
                 raise InvalidRequest(f"cannot read the input file: {e}") from None
             self.store.create(batch_id, window_s, dict(
                 model=model, completion_window=window, window_s=window_s, folder=files.folder,
                 input_file=files.input, output_file=files.output, error_file=files.errors,
-                input_bytes=size, input_sha256=sha, retry_of=retry_of or "", chain=chain,
+                lines=lines, input_bytes=size, input_sha256=sha, retry_of=retry_of or "", chain=chain,
                 queue=queue.name, metadata=json.dumps(meta) if meta else ""))
         except BaseException:
             F.remove(files.folder)  # nothing was created

@@ -68,7 +68,8 @@ def validate(rt: Runtime, batch_id: str, h: dict[str, str], files: BatchFiles,
                 n += 1
                 res = check.check(raw, line)
                 (invalid if isinstance(res, L.LineError) else valid).append(res)
-                if n % 1000 == 0 and store.lease(batch_id, LEASE, token, lease_s) != 1:
+                if n % 1000 == 0 and store.lease(batch_id, LEASE, token, lease_s,
+                                                 checked=n) != 1:
                     return False
     except OSError as e:
         store.transition(batch_id, (S.validating, S.cancelling), S.failed,
@@ -79,7 +80,7 @@ def validate(rt: Runtime, batch_id: str, h: dict[str, str], files: BatchFiles,
     write_rows(files.invalid, (invalid_line(e, batch_id) for e in invalid))
     files.output.touch()  # (never truncates: the collector may be appending already)
     files.errors.touch()
-    fields = dict(validated=1, lines=n, total=len(valid), invalid=len(invalid), cursor=1,
+    fields = dict(validated=1, lines=n, checked=n, total=len(valid), invalid=len(invalid), cursor=1,
                   cursor_off=0, submitted=0)
     if not valid:
         fields["ingested"] = 1

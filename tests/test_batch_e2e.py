@@ -3,6 +3,7 @@ worker`, killed with real signals) and a real pagedq worker serving a tiny rando
 (tests/tiny_service.py). Nothing is mocked; every wait is on a condition with a deadline."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from pagedq.batch import Batches, BatchSettings
+from pagedq.batch import Batches, BatchSettings, BatchStateError
 from pagedq.batch.lines import job_id
 from pagedq.cli import main as client_main
 from pagedq.wire.settings import Settings
@@ -412,3 +413,27 @@ def test_async_api_and_bad_input(env, tmp_path):
             end = bt2.wait(b.id, timeout=30)
         assert end.status == "failed" and end.errors["data"][0]["line"] == 1
         assert end.request_counts.model_dump() == {"total": 2, "completed": 0, "failed": 2}
+
+
+def test_total_is_set_at_submit_and_counts_move_during_ingest(env, tmp_path):
+    """request_counts.total is the file's line count from the start (not 0 while
+    validating); ``checked`` and ``submitted`` show the ingest's progress."""
+    src = tmp_path / "in.jsonl"
+    valid, invalid_lines = write_input(src, 2000, max_tokens=1)
+    n = len(valid) + len(invalid_lines)
+    with env.batches() as bt:
+        b = bt.create(src)
+        assert b.status == "validating" and b.request_counts.total == n
+        seen = []
+
+        def ingested():
+            x = bt.retrieve(b.id)
+            assert x.request_counts.total == n, x
+            seen.append((x.checked, x.submitted))
+            return x.submitted == len(valid)
+        until(ingested, "every valid line submitted", 120)
+        assert seen[-1] == (n, len(valid))
+        assert all(a <= c and s <= d for (a, s), (c, d) in zip(seen, seen[1:], strict=False))
+        with contextlib.suppress(BatchStateError):  # (unless it is over already)
+            bt.cancel(b.id)
+        assert bt.wait(b.id, timeout=120).request_counts.total == n
