@@ -34,6 +34,7 @@ from pagedq.wire.keys import Keys
 from pagedq.wire.openai_api import ENDPOINTS
 
 from .errors import APIError, bad_request, not_found
+from .models import served
 
 RESULT_FILE_RE = re.compile(r"^file-(batch_[0-9a-f]{32})-(output|errors)$")
 UPLOAD_ID_RE = re.compile(r"^file-[0-9a-f]{32}$")
@@ -154,6 +155,18 @@ def _note(raw: bytes, models: set[str], urls: set[str]) -> None:
             models.add(body["model"])
 
 
+async def _batch_model(gw: Any, tenant: str, named: list[str]) -> str:
+    """The one model a batch runs: the model its lines name that this deployment serves
+    (now or within the models list's window), else the gateway's default model. Lines that
+    name another model are the batch's ``model_mismatch`` errors, as with the CLI; a file
+    naming two served models is refused (a batch runs one model)."""
+    live = await served(gw.tenants.client(tenant))
+    mine = [m for m in named if m in live]
+    if len(mine) > 1:
+        raise bad_request(f"a batch runs one model; the file names {mine}", "input_file_id")
+    return mine[0] if mine else gw.settings.model
+
+
 def _file_object(file_id: str, rec: dict[str, Any]) -> dict[str, Any]:
     return {"id": file_id, "object": "file", "bytes": int(rec.get("bytes") or 0),
             "created_at": int(float(rec.get("created_at") or 0)),
@@ -232,15 +245,13 @@ async def create_batch(gw: Any, tenant: str, body: dict[str, Any]) -> dict[str, 
     if others:
         raise bad_request(f"the file has lines for {sorted(others)}, not the batch's endpoint "
                           f"{endpoint}", "input_file_id")
-    models = json.loads(rec.get("models") or "[]")
-    if len(models) > 1:
-        raise bad_request(f"a batch runs one model; the file names {models}", "input_file_id")
+    model = await _batch_model(gw, tenant, json.loads(rec.get("models") or "[]"))
     meta = body.get("metadata")
     if meta is not None and not isinstance(meta, dict):
         raise bad_request("metadata must be an object of strings", "metadata")
     ab = gw.tenants.batches(tenant)
     try:
-        b = await ab.create(rec["path"], model=models[0] if models else gw.settings.model,
+        b = await ab.create(rec["path"], model=model,
                             completion_window=body.get("completion_window") or None,
                             metadata=meta)
     except InvalidRequest as e:
