@@ -64,9 +64,9 @@ def validate(rt: Runtime, batch_id: str, h: dict[str, str], files: BatchFiles,
     n = 0
     try:
         with open(files.input, "rb") as f:
-            for line, _, raw in L.read_lines(f):
+            for line, _, raw in L.read_lines(f, max_bytes=rt.bs.batch_max_line_bytes):
                 n += 1
-                res = check.check(raw, line)
+                res = check.check(raw, line, rt.bs.batch_max_line_bytes)
                 (invalid if isinstance(res, L.LineError) else valid).append(res)
                 if n % 1000 == 0 and store.lease(batch_id, LEASE, token, lease_s,
                                                  checked=n) != 1:
@@ -133,8 +133,8 @@ class FanOut:
     def run(self) -> str:
         with open(self.files.input, "rb") as f:
             f.seek(self.offset)
-            todo = ((line, off, raw) for line, off, raw in L.read_lines(f, self.cursor)
-                    if line in self.manifest)
+            todo = ((line, off, raw) for line, off, raw in L.read_lines(
+                f, self.cursor, self.rt.bs.batch_max_line_bytes) if line in self.manifest)
             while True:
                 chunk = list(islice(todo, self.rt.bs.batch_chunk_lines))
                 if not chunk:

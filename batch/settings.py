@@ -9,6 +9,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .lines import MAX_LINE_BYTES
+
 _WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_WINDOW_S = 7 * 86400  # a job's timeout_s is at most 7 days (wire/schema.py)
@@ -26,9 +28,12 @@ class BatchSettings(BaseSettings):
     # where each batch gets its folder: input copy, manifest, output and error JSONL. The
     # submitter and the rq workers must see the same folder (one machine, or a shared mount).
     batch_dir: str = Field(default_factory=default_batch_dir)
-    # limits of one input file (OpenAI's: 50,000 requests, 200 MB)
+    # limits of one input file (OpenAI's: 50,000 requests, 200 MB = 200,000,000 bytes), and
+    # of one line, in bytes without its newline (the gateway's request body limit: a line
+    # is read with this cap, never held whole past it)
     batch_max_lines: int = Field(50_000, ge=1)
-    batch_max_bytes: int = Field(200 * 1024 * 1024, ge=1)
+    batch_max_bytes: int = Field(200_000_000, ge=1)
+    batch_max_line_bytes: int = Field(MAX_LINE_BYTES, ge=1024)
     batch_completion_window: str = "24h"
     # the rq queue of the control plane (ingest and tick jobs)
     batch_queue: str = "pagedq-batch"

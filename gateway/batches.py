@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 
 from pagedq.batch import Batch, BatchNotFound, BatchStateError
+from pagedq.batch.lines import capped_lines
 from pagedq.wire.errors import InvalidRequest
 from pagedq.wire.keys import Keys
 from pagedq.wire.openai_api import ENDPOINTS
@@ -56,8 +57,17 @@ def _files_key(tenant: str) -> str:
 
 
 # ---- files
+# multipart framing around the file (boundaries, part headers, the purpose field): an
+# upload's Content-Length past the file limit plus this is refused before it is read
+FORM_OVERHEAD_BYTES = 64 * 1024
+
 
 async def upload(gw: Any, tenant: str, request: Request) -> dict[str, Any]:
+    limit = gw.batch_settings.batch_max_bytes
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > limit + FORM_OVERHEAD_BYTES:  # before reading the body
+        raise APIError(413, f"the upload is {int(size)} bytes: a file may have at most {limit} "
+                       "bytes (PAGEDQ_BATCH_MAX_BYTES)", "file_too_large", "file")
     form = await request.form(max_files=1)
     try:
         f, purpose = form.get("file"), form.get("purpose")
@@ -121,7 +131,11 @@ def _store(f: UploadFile, folder: Path, path: Path, bs: Any) -> dict[str, Any]:
     try:
         with open(tmp, "wb") as out:
             f.file.seek(0)
-            for raw in f.file:
+            for number, raw in enumerate(capped_lines(f.file, bs.batch_max_line_bytes), 1):
+                if isinstance(raw, int):  # (never held whole)
+                    raise bad_request(f"line {number} is longer than the "
+                                      f"limit of {bs.batch_max_line_bytes} bytes a line "
+                                      "(PAGEDQ_BATCH_MAX_LINE_BYTES)", "file", "line_too_long")
                 size += len(raw)
                 if size > bs.batch_max_bytes:
                     raise bad_request(f"the file is larger than {bs.batch_max_bytes} bytes "
