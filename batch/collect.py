@@ -22,7 +22,7 @@ from typing import Any
 
 from . import lines as L
 from .files import BatchFiles, append_rows, key_of, read_all, read_rows, unique_rows, write_rows
-from .ingest import cancel_jobs, errors_object, load_manifest
+from .ingest import cancel_jobs, errors_object, load_manifest, run_ingest
 from .record import BATCH_TERMINAL
 from .record import BatchStatus as S
 from .runtime import Runtime, new_token
@@ -49,9 +49,12 @@ def run_tick(rt: Runtime, batch_id: str, chain: str) -> str:
         return "another collector is at work (it shows the chain's life)"
     try:
         if h.get("ingested") != "1" and ingest_until < now:
-            rearm = new_token()  # the ingest went silent: take its lease for a new one
+            rearm = new_token()  # the ingest paused or went silent: take its lease
             if store.lease(batch_id, "ingest_lease", rearm, bs.batch_lease_s) == 1:
-                rt.enqueue_ingest(queue, batch_id, rearm)
+                if h.get("paused") == "1":  # its window on the lane was full: go on here
+                    run_ingest(rt, batch_id, rearm)
+                else:
+                    rt.enqueue_ingest(queue, batch_id, rearm)
         if h.get("validated") != "1":
             return "validating"
         return Tick(rt, batch_id, token).run(now)

@@ -136,7 +136,12 @@ class FanOut:
             todo = ((line, off, raw) for line, off, raw in L.read_lines(
                 f, self.cursor, self.rt.bs.batch_max_line_bytes) if line in self.manifest)
             while True:
-                chunk = list(islice(todo, self.rt.bs.batch_chunk_lines))
+                room = self.room()
+                if room <= 0:  # (a batch cancelled meanwhile stops rather than waits)
+                    if self.status() not in (S.validating, S.in_progress):
+                        return self.stop("cancelled")
+                    return self.pause()
+                chunk = list(islice(todo, min(self.rt.bs.batch_chunk_lines, room)))
                 if not chunk:
                     return self.stop("all lines submitted")
                 stopped = self.submit(chunk)
@@ -187,6 +192,21 @@ class FanOut:
                 time.sleep(delay)
                 delay = min(2.0, self.rt.bs.batch_lease_s / 3, delay * 2)  # lease stays alive
         return None
+
+    def room(self) -> int:
+        """How many more jobs this batch may have queued or running (its window on the lane:
+        batches share a lane by each keeping at most ``batch_window_jobs`` jobs in it)."""
+        done = self.rt.r.hmget(self.rt.bkeys(self.batch_id).batch(self.batch_id),
+                               "completed", "failed")
+        ended = sum(int(x or 0) for x in done)
+        return self.rt.bs.batch_window_jobs - (self.submitted - ended)
+
+    def pause(self) -> str:
+        """The window is full: give the lease up; a tick resumes the ingest (``paused``)."""
+        if not self.fenced(paused=1):
+            return "lease lost"
+        self.rt.store.release(self.batch_id, LEASE, self.token)
+        return "window full: a tick resumes the ingest"
 
     def _send(self, reqs: list) -> list:
         c = self.rt.client

@@ -45,6 +45,10 @@ class BatchSettings(BaseSettings):
     batch_poll_s: float = Field(1.0, gt=0)
     # an ingest or tick that has not shown life for this long is presumed dead and re-armed
     batch_lease_s: float = Field(30.0, gt=0)
+    # batches share a lane: each keeps at most this many jobs queued or running (its
+    # window); the ingest pauses when it is full and a tick resumes it, so a small batch
+    # submitted after a large one is not queued behind all of the large one's lines
+    batch_window_jobs: int = Field(2000, ge=1)
     # SUBMITs sent in one pipeline by the ingest
     batch_chunk_lines: int = Field(500, ge=1)
     # one ingest rq job runs at most this long, then hands over to a continuation job queued

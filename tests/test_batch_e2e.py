@@ -437,3 +437,25 @@ def test_total_is_set_at_submit_and_counts_move_during_ingest(env, tmp_path):
         with contextlib.suppress(BatchStateError):  # (unless it is over already)
             bt.cancel(b.id)
         assert bt.wait(b.id, timeout=120).request_counts.total == n
+
+
+def test_a_small_batch_after_a_large_one_shares_the_lane(env, tmp_path):
+    """Each batch keeps at most PAGEDQ_BATCH_WINDOW_JOBS jobs on the lane, so a small batch
+    submitted after a large one runs beside it: it ends while the large one still runs
+    (one after the other, it would end after all of the large one's lines)."""
+    queue = "fair-" + os.urandom(3).hex()
+    env.rq(queue, PAGEDQ_BATCH_WINDOW_JOBS="24")
+    big, small = tmp_path / "big.jsonl", tmp_path / "small.jsonl"
+    write_input(big, 300, bad=False, max_tokens=LONG_TOKENS)
+    write_input(small, 20, bad=False, max_tokens=LONG_TOKENS)
+    with env.batches(batch_queue=queue) as bt:
+        a = bt.create(big)
+        until(lambda: bt.retrieve(a.id).request_counts.completed >= 10, "the large one runs")
+        b = bt.create(small)
+        end_b = bt.wait(b.id, timeout=240)
+        a_then = bt.retrieve(a.id)
+        assert end_b.status == "completed" and end_b.request_counts.completed == 20
+        assert not a_then.done and a_then.request_counts.completed < 300 - 20, a_then
+        assert a_then.submitted < 300  # the large one's window held the rest back
+        end_a = bt.wait(a.id, timeout=240)
+        assert end_a.status == "completed" and end_a.request_counts.completed == 300
