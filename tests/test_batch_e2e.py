@@ -459,3 +459,28 @@ def test_a_small_batch_after_a_large_one_shares_the_lane(env, tmp_path):
         assert a_then.submitted < 300  # the large one's window held the rest back
         end_a = bt.wait(a.id, timeout=240)
         assert end_a.status == "completed" and end_a.request_counts.completed == 300
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def test_the_rq_scheduler_leaves_with_its_worker_after_kill_9(env):
+    """kill -9 of `pagedq batch worker` alone: its scheduler child ends too and gives the
+    scheduler lock up, so a restarted worker's scheduler takes over at once."""
+    queue = "sched-" + os.urandom(3).hex()
+    lock = f"rq:scheduler-lock:{queue}"
+    conn = redis.Redis.from_url(env.url)
+    w = env.rq(queue)
+    kids = until(lambda: w.children() if conn.exists(lock) else None,
+                 "the scheduler child holds its lock", 60, 0.05)
+    w.proc.send_signal(signal.SIGKILL)
+    w.proc.wait(30)
+    until(lambda: not any(map(alive, kids)), "the scheduler ended", 15, 0.05)
+    until(lambda: not conn.exists(lock), "the scheduler lock given up", 15, 0.05)
+    env.rq(queue)
+    until(lambda: conn.exists(lock), "the new worker's scheduler took the lock", 30, 0.05)
+    conn.close()
