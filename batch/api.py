@@ -83,14 +83,15 @@ class Batches:
         token, chain = new_token(), new_token()
         try:
             try:
-                size, _, sha = F.copy_input(Path(input_file), files.input,
-                                            self.bs.batch_max_bytes, self.bs.batch_max_lines)
+                size, lines, sha = F.copy_input(
+                    Path(input_file), files.input, self.bs.batch_max_bytes,
+                    self.bs.batch_max_lines, self.bs.batch_max_line_bytes)
             except OSError as e:
                 raise InvalidRequest(f"cannot read the input file: {e}") from None
             self.store.create(batch_id, window_s, dict(
                 model=model, completion_window=window, window_s=window_s, folder=files.folder,
                 input_file=files.input, output_file=files.output, error_file=files.errors,
-                input_bytes=size, input_sha256=sha, retry_of=retry_of or "", chain=chain,
+                lines=lines, input_bytes=size, input_sha256=sha, retry_of=retry_of or "", chain=chain,
                 queue=queue.name, metadata=json.dumps(meta) if meta else ""))
         except BaseException:
             F.remove(files.folder)  # nothing was created
@@ -199,8 +200,8 @@ class Batches:
         tmp = self.bs.dir_path() / f".retry-{batch_id}-{new_token()[:8]}.jsonl"
         try:
             with open(old.input_file, "rb") as fin, open(tmp, "wb") as fout:
-                for line, _, raw in read_lines(fin):
-                    if line in wanted:
+                for line, _, raw in read_lines(fin, max_bytes=self.bs.batch_max_line_bytes):
+                    if line in wanted and raw is not None:  # (a valid line is in the cap)
                         fout.write(raw if raw.endswith(b"\n") else raw + b"\n")
             return self.create(tmp, model=old.model,
                                completion_window=completion_window or old.completion_window,

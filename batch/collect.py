@@ -22,7 +22,7 @@ from typing import Any
 
 from . import lines as L
 from .files import BatchFiles, append_rows, key_of, read_all, read_rows, unique_rows, write_rows
-from .ingest import cancel_jobs, errors_object, load_manifest
+from .ingest import cancel_jobs, errors_object, load_manifest, run_ingest
 from .record import BATCH_TERMINAL
 from .record import BatchStatus as S
 from .runtime import Runtime, new_token
@@ -49,9 +49,12 @@ def run_tick(rt: Runtime, batch_id: str, chain: str) -> str:
         return "another collector is at work (it shows the chain's life)"
     try:
         if h.get("ingested") != "1" and ingest_until < now:
-            rearm = new_token()  # the ingest went silent: take its lease for a new one
+            rearm = new_token()  # the ingest paused or went silent: take its lease
             if store.lease(batch_id, "ingest_lease", rearm, bs.batch_lease_s) == 1:
-                rt.enqueue_ingest(queue, batch_id, rearm)
+                if h.get("paused") == "1":  # its window on the lane was full: go on here
+                    run_ingest(rt, batch_id, rearm)
+                else:
+                    rt.enqueue_ingest(queue, batch_id, rearm)
         if h.get("validated") != "1":
             return "validating"
         return Tick(rt, batch_id, token).run(now)
@@ -98,6 +101,20 @@ class Tick:
             if not self.rt.store.commit(self.batch_id, self.token, len(items), cut,
                                         usage_of(outs)):
                 return False
+            self.release(items)
+
+    def release(self, items: list[str]) -> None:
+        """The collected jobs' lines are in the files: drop their out streams, keep their
+        records ``batch_collected_ttl_s`` (a crash before this leaves them their service
+        TTL, PAGEDQ_RESULT_TTL_S)."""
+        keys, ttl = self.rt.bkeys(self.batch_id), self.rt.bs.batch_collected_ttl_s
+        with self.rt.r.pipeline(transaction=False) as pipe:
+            for x in items:
+                if x.isdigit():
+                    jid = L.job_id(self.batch_id, int(x))
+                    pipe.delete(keys.out(jid))
+                    pipe.expire(keys.job(jid), ttl)
+            pipe.execute()
 
     def shape(self, items: list[str]) -> tuple[list[dict], list[dict], int]:
         r, keys, h = self.rt.r, self.rt.bkeys(self.batch_id), self.h

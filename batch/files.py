@@ -30,6 +30,8 @@ from typing import Any
 
 from pagedq.wire.errors import InvalidRequest
 
+from .lines import MAX_LINE_BYTES, capped_lines
+
 
 @dataclass(frozen=True, slots=True)
 class BatchFiles:
@@ -56,18 +58,28 @@ class BatchFiles:
         return self.folder / "errors.jsonl"
 
 
-def copy_input(src: Path, dst: Path, max_bytes: int, max_lines: int) -> tuple[int, int, str]:
+def copy_input(src: Path, dst: Path, max_bytes: int, max_lines: int,
+               max_line_bytes: int = MAX_LINE_BYTES) -> tuple[int, int, str]:
     """Copy ``src`` to ``dst`` -> (bytes, non-blank lines, sha256); InvalidRequest (nothing
-    left behind) past the limits."""
-    h, size, lines = hashlib.sha256(), 0, 0
+    left behind) past the limits, checked as it reads: the file's size first (from the
+    file system), each line with the line cap (``capped_lines``)."""
+    h, size, lines, number = hashlib.sha256(), 0, 0, 0
     tmp = dst.with_name(dst.name + ".tmp")
     try:
+        if src.stat().st_size > max_bytes:
+            raise InvalidRequest(f"{src}: larger than the limit of {max_bytes} bytes "
+                                 "(PAGEDQ_BATCH_MAX_BYTES)")
         with open(src, "rb") as fin, open(tmp, "wb") as fout:
-            for raw in fin:
+            for raw in capped_lines(fin, max_line_bytes):
+                number += 1
+                if isinstance(raw, int):
+                    raise InvalidRequest(f"{src}: line {number} is {raw} bytes, longer than the "
+                                         f"limit of {max_line_bytes} bytes a line "
+                                         "(PAGEDQ_BATCH_MAX_LINE_BYTES)")
                 size += len(raw)
                 if size > max_bytes:
-                    raise InvalidRequest(f"{src}: larger than the limit of {max_bytes} bytes "
-                                         "(PAGEDQ_BATCH_MAX_BYTES)")
+                    raise InvalidRequest(f"{src}: larger than the limit of "
+                                         f"{max_bytes} bytes (PAGEDQ_BATCH_MAX_BYTES)")
                 if raw.strip():
                     lines += 1
                     if lines > max_lines:

@@ -64,11 +64,12 @@ def validate(rt: Runtime, batch_id: str, h: dict[str, str], files: BatchFiles,
     n = 0
     try:
         with open(files.input, "rb") as f:
-            for line, _, raw in L.read_lines(f):
+            for line, _, raw in L.read_lines(f, max_bytes=rt.bs.batch_max_line_bytes):
                 n += 1
-                res = check.check(raw, line)
+                res = check.check(raw, line, rt.bs.batch_max_line_bytes)
                 (invalid if isinstance(res, L.LineError) else valid).append(res)
-                if n % 1000 == 0 and store.lease(batch_id, LEASE, token, lease_s) != 1:
+                if n % 1000 == 0 and store.lease(batch_id, LEASE, token, lease_s,
+                                                 checked=n) != 1:
                     return False
     except OSError as e:
         store.transition(batch_id, (S.validating, S.cancelling), S.failed,
@@ -79,7 +80,7 @@ def validate(rt: Runtime, batch_id: str, h: dict[str, str], files: BatchFiles,
     write_rows(files.invalid, (invalid_line(e, batch_id) for e in invalid))
     files.output.touch()  # (never truncates: the collector may be appending already)
     files.errors.touch()
-    fields = dict(validated=1, lines=n, total=len(valid), invalid=len(invalid), cursor=1,
+    fields = dict(validated=1, lines=n, checked=n, total=len(valid), invalid=len(invalid), cursor=1,
                   cursor_off=0, submitted=0)
     if not valid:
         fields["ingested"] = 1
@@ -132,10 +133,15 @@ class FanOut:
     def run(self) -> str:
         with open(self.files.input, "rb") as f:
             f.seek(self.offset)
-            todo = ((line, off, raw) for line, off, raw in L.read_lines(f, self.cursor)
-                    if line in self.manifest)
+            todo = ((line, off, raw) for line, off, raw in L.read_lines(
+                f, self.cursor, self.rt.bs.batch_max_line_bytes) if line in self.manifest)
             while True:
-                chunk = list(islice(todo, self.rt.bs.batch_chunk_lines))
+                room = self.room()
+                if room <= 0:  # (a batch cancelled meanwhile stops rather than waits)
+                    if self.status() not in (S.validating, S.in_progress):
+                        return self.stop("cancelled")
+                    return self.pause()
+                chunk = list(islice(todo, min(self.rt.bs.batch_chunk_lines, room)))
                 if not chunk:
                     return self.stop("all lines submitted")
                 stopped = self.submit(chunk)
@@ -186,6 +192,21 @@ class FanOut:
                 time.sleep(delay)
                 delay = min(2.0, self.rt.bs.batch_lease_s / 3, delay * 2)  # lease stays alive
         return None
+
+    def room(self) -> int:
+        """How many more jobs this batch may have queued or running (its window on the lane:
+        batches share a lane by each keeping at most ``batch_window_jobs`` jobs in it)."""
+        done = self.rt.r.hmget(self.rt.bkeys(self.batch_id).batch(self.batch_id),
+                               "completed", "failed")
+        ended = sum(int(x or 0) for x in done)
+        return self.rt.bs.batch_window_jobs - (self.submitted - ended)
+
+    def pause(self) -> str:
+        """The window is full: give the lease up; a tick resumes the ingest (``paused``)."""
+        if not self.fenced(paused=1):
+            return "lease lost"
+        self.rt.store.release(self.batch_id, LEASE, self.token)
+        return "window full: a tick resumes the ingest"
 
     def _send(self, reqs: list) -> list:
         c = self.rt.client

@@ -23,10 +23,13 @@ from pagedq.wire.openai_api import ENDPOINTS, FieldError, shape
 from pagedq.wire.schema import JobRequest, describe
 
 LANE = "batch"  # the jobs stream lane every batch job rides
+# bytes of one line without its newline (PAGEDQ_BATCH_MAX_LINE_BYTES's default: the
+# gateway's request body limit)
+MAX_LINE_BYTES = 8 * 1024 * 1024
 # set by the batch for every line, refused in a body
 BATCH_FIELDS = ("id", "lane", "timeout_s", "v")
 # codes of the error file for lines that never became jobs because they are invalid
-VALIDATION_CODES = frozenset({"invalid_json_line", "invalid_custom_id", "duplicate_custom_id",
+VALIDATION_CODES = frozenset({"line_too_long", "invalid_json_line", "invalid_custom_id", "duplicate_custom_id",
                               "invalid_method", "invalid_url", "model_mismatch",
                               "invalid_request"})
 
@@ -75,12 +78,36 @@ def job_id(batch_id: str, line: int) -> str:
     return f"{batch_id}.{line}"
 
 
-def read_lines(f: BinaryIO, start_line: int = 1) -> Iterator[tuple[int, int, bytes]]:
+def capped_lines(f: BinaryIO, max_bytes: int) -> Iterator[bytes | int]:
+    """The lines of ``f``, each read with a cap: one longer than ``max_bytes`` (without its
+    newline) is read on in 1 MiB pieces that are dropped, and comes as its length (an int),
+    so that no line past the cap is ever held whole."""
+    while True:
+        raw = f.readline(max_bytes + 1)
+        if not raw:
+            return
+        if len(raw) <= max_bytes or raw.endswith(b"\n"):
+            yield raw
+            continue
+        size = len(raw)
+        while raw and not raw.endswith(b"\n"):
+            raw = f.readline(1 << 20)
+            size += len(raw)
+        yield size
+
+
+def read_lines(f: BinaryIO, start_line: int = 1,
+               max_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, int, bytes | None]]:
     """(line number, byte offset of the next line, raw line) of the non-blank lines from
-    the current position of ``f`` (which is at the start of line ``start_line``)."""
+    the current position of ``f`` (which is at the start of line ``start_line``); the raw
+    line is None for a line longer than ``max_bytes`` (``capped_lines``)."""
     n, offset = start_line - 1, f.tell()
-    for raw in f:
+    for raw in capped_lines(f, max_bytes):
         n += 1
+        if isinstance(raw, int):
+            offset += raw
+            yield n, offset, None
+            continue
         offset += len(raw)
         if raw.strip():
             yield n, offset, raw
@@ -165,7 +192,12 @@ class Validator:
         self.batch_id, self.model = batch_id, model
         self.seen: set[str] = set()
 
-    def check(self, raw: bytes, line: int) -> Line | LineError:
+    def check(self, raw: bytes | None, line: int, max_bytes: int = 0) -> Line | LineError:
+        """``raw`` None: a line longer than ``max_bytes`` (read_lines), never read whole."""
+        if raw is None:
+            return LineError(line, None, "line_too_long",
+                             f"the line is longer than the limit of {max_bytes} bytes "
+                             "(PAGEDQ_BATCH_MAX_LINE_BYTES)")
         p = parse(raw, line, self.model)
         cid = p.custom_id
         if cid is not None:

@@ -84,9 +84,10 @@ class Batch(BaseModel):
     errors: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     retry_of: str | None = None
-    # pagedq's detail: its rq queue, lines found invalid, jobs created so far, jobs ended
-    # by status
+    # pagedq's detail: its rq queue, lines validated so far, lines found invalid, jobs
+    # created so far, jobs ended by status
     queue: str = ""
+    checked: int = 0
     invalid: int = 0
     submitted: int = 0
     jobs: dict[str, int] = Field(default_factory=dict)
@@ -111,12 +112,12 @@ class Batch(BaseModel):
             completion_window=h.get("completion_window", ""),
             input_file=h.get("input_file", ""), output_file=h.get("output_file", ""),
             error_file=h.get("error_file", ""), **times,
-            request_counts=RequestCounts(total=n("lines") if h.get("validated") else 0,
-                                         completed=completed, failed=failed),
+            request_counts=RequestCounts(total=n("lines"), completed=completed, failed=failed),
             usage=Usage(input_tokens=n("usage_in"), output_tokens=n("usage_out")),
             errors=json.loads(h["errors"]) if h.get("errors") else None,
             metadata=json.loads(h["metadata"]) if h.get("metadata") else None,
-            retry_of=h.get("retry_of") or None, queue=h.get("queue", ""), invalid=n("invalid"),
+            retry_of=h.get("retry_of") or None, queue=h.get("queue", ""), checked=n("checked"),
+            invalid=n("invalid"),
             submitted=n("submitted"),
             jobs={k[2:]: int(v) for k, v in h.items() if k.startswith("n_")},
         )

@@ -9,6 +9,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .lines import MAX_LINE_BYTES
+
 _WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_WINDOW_S = 7 * 86400  # a job's timeout_s is at most 7 days (wire/schema.py)
@@ -26,9 +28,12 @@ class BatchSettings(BaseSettings):
     # where each batch gets its folder: input copy, manifest, output and error JSONL. The
     # submitter and the rq workers must see the same folder (one machine, or a shared mount).
     batch_dir: str = Field(default_factory=default_batch_dir)
-    # limits of one input file (OpenAI's: 50,000 requests, 200 MB)
+    # limits of one input file (OpenAI's: 50,000 requests, 200 MB = 200,000,000 bytes), and
+    # of one line, in bytes without its newline (the gateway's request body limit: a line
+    # is read with this cap, never held whole past it)
     batch_max_lines: int = Field(50_000, ge=1)
-    batch_max_bytes: int = Field(200 * 1024 * 1024, ge=1)
+    batch_max_bytes: int = Field(200_000_000, ge=1)
+    batch_max_line_bytes: int = Field(MAX_LINE_BYTES, ge=1024)
     batch_completion_window: str = "24h"
     # the rq queue of the control plane (ingest and tick jobs)
     batch_queue: str = "pagedq-batch"
@@ -40,6 +45,10 @@ class BatchSettings(BaseSettings):
     batch_poll_s: float = Field(1.0, gt=0)
     # an ingest or tick that has not shown life for this long is presumed dead and re-armed
     batch_lease_s: float = Field(30.0, gt=0)
+    # batches share a lane: each keeps at most this many jobs queued or running (its
+    # window); the ingest pauses when it is full and a tick resumes it, so a small batch
+    # submitted after a large one is not queued behind all of the large one's lines
+    batch_window_jobs: int = Field(2000, ge=1)
     # SUBMITs sent in one pipeline by the ingest
     batch_chunk_lines: int = Field(500, ge=1)
     # one ingest rq job runs at most this long, then hands over to a continuation job queued
@@ -48,6 +57,9 @@ class BatchSettings(BaseSettings):
     # after expires_at + this, jobs the service has not ended yet are cancelled (reported
     # batch_expired), so the batch ends even when workers are busy or gone
     batch_expiry_grace_s: float = Field(10.0, ge=0)
+    # a job's out stream is deleted once its line is in the output or error file, and its
+    # record kept this long after (not the service's PAGEDQ_RESULT_TTL_S)
+    batch_collected_ttl_s: int = Field(300, ge=1)
     # a terminal batch's record is kept this long (its files stay until you delete them)
     batch_record_ttl_s: int = Field(30 * 86400, ge=60)
 

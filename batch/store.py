@@ -6,9 +6,11 @@ Fields of the hash (all strings; times are Redis TIME, epoch seconds):
 
     status, model, completion_window, window_s, created_at, expires_at, <status>_at
     queue (the rq queue of its ingest and tick jobs), folder, input_file, output_file, error_file, input_bytes, input_sha256, retry_of, metadata
-    lines (non-blank input lines), total (valid lines), invalid          the ingest, once
+    lines (non-blank input lines)                                          the submit
+    checked (lines validated so far, every 1000), total (valid lines), invalid   the ingest
     validated=1, cursor (next line to submit), cursor_off (its byte offset),
     submitted (jobs created for lines < cursor), ingested=1 (no more SUBMITs)    the ingest
+    paused=1 (the ingest gave its lease up with its window full: ticks resume it)
     completed, failed, n_<status>         the service, atomically as each job ends
     collected, cut                        the collector, atomically with its trim
     final_completed, final_failed, errors the finalizer (or the ingest, for "failed")

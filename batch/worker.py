@@ -9,11 +9,15 @@ that lock; the watchdog sees a batch whose ``beat`` is older than ``batch_lease_
 starts a new chain with an immediate tick (the old chain stops at its next tick).
 
 Jobs run in the worker process (rq's SimpleWorker: no fork per job), so killing the
-worker stops an ingest at once; every job is safe to run again.
+worker stops an ingest at once; every job is safe to run again. The worker killed alone,
+its scheduler child ends with it (``die_with_parent``) and gives its lock up.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 import threading
 
 import redis
@@ -25,6 +29,7 @@ from .rq_redis import connect_rq
 from .runtime import Runtime, configure, new_token, runtime
 from .settings import MAX_WINDOW_S, BatchSettings
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 EXIT_WATCHDOG_FAULT = 71  # as a pagedq worker's fault in a thread (worker/fatal.py)
 PUBSUB_POLL_S = 1.0  # rq's pub/sub thread's wait for a command (a shutdown waits for it)
 
@@ -62,6 +67,23 @@ class Watchdog(threading.Thread):
                 os._exit(EXIT_WATCHDOG_FAULT)
 
 
+def die_with_parent() -> None:
+    """Make the children this process forks (rq's scheduler: jobs run in the process) get
+    SIGTERM when it dies, even by SIGKILL: rq's scheduler then stops at its next round and
+    gives its lock up, so a restarted worker's scheduler takes over at once (left alone it
+    stayed for minutes, holding the lock). Linux only (prctl); elsewhere, the lock's TTL."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getpid()
+
+    def in_child() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    os.register_at_fork(after_in_child=in_child)
+
+
 def run_worker(redis_url: str, prefix: str, settings: Settings, bs: BatchSettings, *,
                name: str | None = None, burst: bool = False, log_level: str = "INFO") -> bool:
     """Run the rq worker until stopped (SIGTERM/SIGINT: rq's warm shutdown)."""
@@ -93,6 +115,7 @@ def run_worker(redis_url: str, prefix: str, settings: Settings, bs: BatchSetting
     worker = _Worker([bs.batch_queue], connection=connect_rq(settings, rq_url),
                      serializer=JSONSerializer, name=name,
                      maintenance_interval=int(max(10, bs.batch_lease_s)))
+    die_with_parent()
     dog = Watchdog(rt, worker.log)
     dog.start()
     try:

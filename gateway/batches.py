@@ -29,11 +29,13 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 
 from pagedq.batch import Batch, BatchNotFound, BatchStateError
+from pagedq.batch.lines import capped_lines
 from pagedq.wire.errors import InvalidRequest
 from pagedq.wire.keys import Keys
 from pagedq.wire.openai_api import ENDPOINTS
 
 from .errors import APIError, bad_request, not_found
+from .models import served
 
 RESULT_FILE_RE = re.compile(r"^file-(batch_[0-9a-f]{32})-(output|errors)$")
 UPLOAD_ID_RE = re.compile(r"^file-[0-9a-f]{32}$")
@@ -55,8 +57,17 @@ def _files_key(tenant: str) -> str:
 
 
 # ---- files
+# multipart framing around the file (boundaries, part headers, the purpose field): an
+# upload's Content-Length past the file limit plus this is refused before it is read
+FORM_OVERHEAD_BYTES = 64 * 1024
+
 
 async def upload(gw: Any, tenant: str, request: Request) -> dict[str, Any]:
+    limit = gw.batch_settings.batch_max_bytes
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > limit + FORM_OVERHEAD_BYTES:  # before reading the body
+        raise APIError(413, f"the upload is {int(size)} bytes: a file may have at most {limit} "
+                       "bytes (PAGEDQ_BATCH_MAX_BYTES)", "file_too_large", "file")
     form = await request.form(max_files=1)
     try:
         f, purpose = form.get("file"), form.get("purpose")
@@ -120,7 +131,11 @@ def _store(f: UploadFile, folder: Path, path: Path, bs: Any) -> dict[str, Any]:
     try:
         with open(tmp, "wb") as out:
             f.file.seek(0)
-            for raw in f.file:
+            for number, raw in enumerate(capped_lines(f.file, bs.batch_max_line_bytes), 1):
+                if isinstance(raw, int):  # (never held whole)
+                    raise bad_request(f"line {number} is longer than the "
+                                      f"limit of {bs.batch_max_line_bytes} bytes a line "
+                                      "(PAGEDQ_BATCH_MAX_LINE_BYTES)", "file", "line_too_long")
                 size += len(raw)
                 if size > bs.batch_max_bytes:
                     raise bad_request(f"the file is larger than {bs.batch_max_bytes} bytes "
@@ -152,6 +167,18 @@ def _note(raw: bytes, models: set[str], urls: set[str]) -> None:
         body = obj.get("body")
         if isinstance(body, dict) and isinstance(body.get("model"), str):
             models.add(body["model"])
+
+
+async def _batch_model(gw: Any, tenant: str, named: list[str]) -> str:
+    """The one model a batch runs: the model its lines name that this deployment serves
+    (now or within the models list's window), else the gateway's default model. Lines that
+    name another model are the batch's ``model_mismatch`` errors, as with the CLI; a file
+    naming two served models is refused (a batch runs one model)."""
+    live = await served(gw.tenants.client(tenant))
+    mine = [m for m in named if m in live]
+    if len(mine) > 1:
+        raise bad_request(f"a batch runs one model; the file names {mine}", "input_file_id")
+    return mine[0] if mine else gw.settings.model
 
 
 def _file_object(file_id: str, rec: dict[str, Any]) -> dict[str, Any]:
@@ -232,15 +259,13 @@ async def create_batch(gw: Any, tenant: str, body: dict[str, Any]) -> dict[str, 
     if others:
         raise bad_request(f"the file has lines for {sorted(others)}, not the batch's endpoint "
                           f"{endpoint}", "input_file_id")
-    models = json.loads(rec.get("models") or "[]")
-    if len(models) > 1:
-        raise bad_request(f"a batch runs one model; the file names {models}", "input_file_id")
+    model = await _batch_model(gw, tenant, json.loads(rec.get("models") or "[]"))
     meta = body.get("metadata")
     if meta is not None and not isinstance(meta, dict):
         raise bad_request("metadata must be an object of strings", "metadata")
     ab = gw.tenants.batches(tenant)
     try:
-        b = await ab.create(rec["path"], model=models[0] if models else gw.settings.model,
+        b = await ab.create(rec["path"], model=model,
                             completion_window=body.get("completion_window") or None,
                             metadata=meta)
     except InvalidRequest as e:

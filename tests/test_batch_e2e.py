@@ -3,6 +3,7 @@ worker`, killed with real signals) and a real pagedq worker serving a tiny rando
 (tests/tiny_service.py). Nothing is mocked; every wait is on a condition with a deadline."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from pagedq.batch import Batches, BatchSettings
+from pagedq.batch import Batches, BatchSettings, BatchStateError
 from pagedq.batch.lines import job_id
 from pagedq.cli import main as client_main
 from pagedq.wire.settings import Settings
@@ -412,3 +413,74 @@ def test_async_api_and_bad_input(env, tmp_path):
             end = bt2.wait(b.id, timeout=30)
         assert end.status == "failed" and end.errors["data"][0]["line"] == 1
         assert end.request_counts.model_dump() == {"total": 2, "completed": 0, "failed": 2}
+
+
+def test_total_is_set_at_submit_and_counts_move_during_ingest(env, tmp_path):
+    """request_counts.total is the file's line count from the start (not 0 while
+    validating); ``checked`` and ``submitted`` show the ingest's progress."""
+    src = tmp_path / "in.jsonl"
+    valid, invalid_lines = write_input(src, 2000, max_tokens=1)
+    n = len(valid) + len(invalid_lines)
+    with env.batches() as bt:
+        b = bt.create(src)
+        assert b.status == "validating" and b.request_counts.total == n
+        seen = []
+
+        def ingested():
+            x = bt.retrieve(b.id)
+            assert x.request_counts.total == n, x
+            seen.append((x.checked, x.submitted))
+            return x.submitted == len(valid)
+        until(ingested, "every valid line submitted", 120)
+        assert seen[-1] == (n, len(valid))
+        assert all(a <= c and s <= d for (a, s), (c, d) in zip(seen, seen[1:], strict=False))
+        with contextlib.suppress(BatchStateError):  # (unless it is over already)
+            bt.cancel(b.id)
+        assert bt.wait(b.id, timeout=120).request_counts.total == n
+
+
+def test_a_small_batch_after_a_large_one_shares_the_lane(env, tmp_path):
+    """Each batch keeps at most PAGEDQ_BATCH_WINDOW_JOBS jobs on the lane, so a small batch
+    submitted after a large one runs beside it: it ends while the large one still runs
+    (one after the other, it would end after all of the large one's lines)."""
+    queue = "fair-" + os.urandom(3).hex()
+    env.rq(queue, PAGEDQ_BATCH_WINDOW_JOBS="24")
+    big, small = tmp_path / "big.jsonl", tmp_path / "small.jsonl"
+    write_input(big, 300, bad=False, max_tokens=LONG_TOKENS)
+    write_input(small, 20, bad=False, max_tokens=LONG_TOKENS)
+    with env.batches(batch_queue=queue) as bt:
+        a = bt.create(big)
+        until(lambda: bt.retrieve(a.id).request_counts.completed >= 10, "the large one runs")
+        b = bt.create(small)
+        end_b = bt.wait(b.id, timeout=240)
+        a_then = bt.retrieve(a.id)
+        assert end_b.status == "completed" and end_b.request_counts.completed == 20
+        assert not a_then.done and a_then.request_counts.completed < 300 - 20, a_then
+        assert a_then.submitted < 300  # the large one's window held the rest back
+        end_a = bt.wait(a.id, timeout=240)
+        assert end_a.status == "completed" and end_a.request_counts.completed == 300
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def test_the_rq_scheduler_leaves_with_its_worker_after_kill_9(env):
+    """kill -9 of `pagedq batch worker` alone: its scheduler child ends too and gives the
+    scheduler lock up, so a restarted worker's scheduler takes over at once."""
+    queue = "sched-" + os.urandom(3).hex()
+    lock = f"rq:scheduler-lock:{queue}"
+    conn = redis.Redis.from_url(env.url)
+    w = env.rq(queue)
+    kids = until(lambda: w.children() if conn.exists(lock) else None,
+                 "the scheduler child holds its lock", 60, 0.05)
+    w.proc.send_signal(signal.SIGKILL)
+    w.proc.wait(30)
+    until(lambda: not any(map(alive, kids)), "the scheduler ended", 15, 0.05)
+    until(lambda: not conn.exists(lock), "the scheduler lock given up", 15, 0.05)
+    env.rq(queue)
+    until(lambda: conn.exists(lock), "the new worker's scheduler took the lock", 30, 0.05)
+    conn.close()

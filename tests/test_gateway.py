@@ -442,6 +442,33 @@ def test_batch_from_a_jsonl_file(stack, rq_worker, tmp_path):
                          completion_window="24h")  # the lines are chat lines
 
 
+def test_batch_line_naming_an_unserved_model_is_its_own_error(stack, rq_worker, tmp_path):
+    """A line naming a model this deployment does not serve (gpt-4o) is that line's
+    model_mismatch, as with the CLI; the batch runs the served model for the others."""
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": model, "prompt": f"count {i}", "max_tokens": 2}}
+             for i, model in enumerate([MODEL, "gpt-4o", MODEL])]
+    lines.append({"custom_id": "q3", "method": "POST", "url": "/v1/completions",
+                  "body": {"prompt": "no model named", "max_tokens": 2}})
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    c = stack.sdk()
+    f = c.files.create(file=src.open("rb"), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                         completion_window="24h")
+    b = until(lambda: (x := c.batches.retrieve(b.id)).status in (
+        "completed", "failed", "expired", "cancelled") and x, "the batch ended", 120, 0.2)
+    assert b.status == "completed", b
+    assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == \
+        (4, 3, 1)
+    out = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
+    assert [r["custom_id"] for r in out] == ["q0", "q2", "q3"]
+    assert {r["response"]["body"]["model"] for r in out} == {MODEL}
+    (err,) = [json.loads(x) for x in c.files.content(b.error_file_id).text.splitlines()]
+    assert err["custom_id"] == "q1" and err["error"]["code"] == "model_mismatch"
+    assert "gpt-4o" in err["error"]["message"] and err["error"]["line"] == 2
+
+
 # ---------------------------------------------------------------- documented examples, CLI
 
 def curl_blocks() -> list[str]:

@@ -144,7 +144,7 @@ class Cancel(ScriptCall):
     def keys_args(self) -> tuple[list[str], list[Any]]:
         keys = self.keys.of_job(self.job_id, self.settings.partitions)
         return ([keys.job(self.job_id), keys.out(self.job_id), keys.cancel],
-                [self.job_id, str(self.settings.result_ttl_s), keys.chan(self.job_id),
+                [self.job_id, str(self.settings.cancelled_ttl_s), keys.chan(self.job_id),
                  keys.queued_tokens_prefix, keys.queued_jobs_prefix])
 
     def parse(self, reply: Any) -> bool:

@@ -80,6 +80,8 @@ class Settings(BaseSettings):
     # results and event logs
     result_ttl_s: int = Field(86400, ge=1, description=(
         "TTL of a job's hash and out stream after the job ends"))
+    cancelled_ttl_s: int = Field(600, ge=1, description=(
+        "TTL of the record of a job cancelled while queued (it has no out stream)"))
     out_maxlen: int = Field(10000, ge=10, description=(
         "approximate cap of a job's out stream (>= 10)"))
     stream_idle_ttl_s: int = Field(3600, ge=10, description=(

@@ -47,6 +47,7 @@ end
 
 -- The final event of a job at index idx, mirrored on its channel. choices: JSON or ''.
 -- maxlen: cap the out stream (approximate), or nil. A final already at idx stays as it is.
+-- out: nil for a job that never ran (CANCEL of a queued job): the final is only published.
 local function write_final(out, chan, idx, status, fr, text, err, pt, ct, choices, maxlen)
   local ev = {'t', 'final', 'i', tostring(idx), 'status', status, 'fr', fr, 'text', text,
               'err', err, 'pt', tostring(pt), 'ct', tostring(ct)}
@@ -55,7 +56,9 @@ local function write_final(out, chan, idx, status, fr, text, err, pt, ct, choice
   if choices and choices ~= '' then
     ev[#ev + 1] = 'choices'; ev[#ev + 1] = choices; msg.choices = choices
   end
-  if maxlen then
+  if not out then
+    -- (no event log: readers rebuild the final event from the terminal hash)
+  elseif maxlen then
     add_event(out, 'MAXLEN', '~', maxlen, out_id(idx), unpack(ev))
   else
     add_event(out, out_id(idx), unpack(ev))
