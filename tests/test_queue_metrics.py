@@ -58,3 +58,50 @@ def test_a_worker_serving_two_prefixes_exports_each_prefixs_queue(redis_server, 
     finally:
         w.stop()
         r.close()
+
+
+def all_samples(port: int) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value, from the worker's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        body = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(body) for s in fam.samples}
+
+
+def test_a_fresh_worker_exports_every_label_set_at_zero_before_any_job(redis_server,
+                                                                        tiny_dir):
+    """Series made at their first event hide that event from rate() and increase(): every
+    lane's, status's and finish reason's series is there, at 0, before the first job."""
+    from pagedq.producer import Client
+    from pagedq.wire.settings import Settings
+    from pagedq.worker.metrics import OUTCOMES
+
+    port = free_port()
+    w = WorkerProc(redis_server.url, A, model=tiny_dir,
+                   extra=["--served-name", MODEL, "--metrics-port", str(port)])
+    try:
+        w.start()
+        s = all_samples(port)
+        for lane in ("interactive", "batch"):
+            for hist in ("time_to_first_token_seconds", "request_queue_time_seconds"):
+                assert s[f"pagedq:{hist}_count", (("lane", lane),)] == 0, (hist, lane)
+            for name in QUEUE_GAUGES:
+                assert (name, (("lane", lane), ("model", MODEL), ("prefix", A))) in s
+        for status, reason in OUTCOMES:
+            key = ("pagedq:request_success_total",
+                   (("finish_reason", reason), ("status", status)))
+            assert s[key] == 0, key
+        with Client(settings=Settings(redis_url=redis_server.url, prefix=A,
+                                      model=MODEL)) as c:
+            jid = c.submit("hello", max_tokens=3, temperature=0.0, ignore_eos=True)
+            assert c.result(jid, timeout=60).status == "finished"
+        length = ("pagedq:request_success_total", (("finish_reason", "length"),
+                                                   ("status", "finished")))
+        # counted by the publisher thread after the result is committed
+        s = until(lambda: (lambda s: s if s[length] == 1 else None)(all_samples(port)),
+                  "the job counted", 15, 0.1)
+        assert sum(v for (name, _), v in s.items()
+                   if name == "pagedq:request_success_total") == 1  # the same series
+        assert s["pagedq:time_to_first_token_seconds_count", (("lane", "interactive"),)] == 1
+    finally:
+        w.stop()

@@ -66,7 +66,7 @@ class JobTable:
         jlog, m = self.log.bind(job_id=job.job_id, prefix=job.keys.prefix), self.metrics
 
         def done(verdict: Verdict | str) -> None:
-            m.finished.labels(status).inc()
+            m.finished.labels(status, reason).inc()
             m.e2e.observe(job.queue_wait_s + time.monotonic() - job.admitted_at)
             jlog.info("job_done", status=status, finish_reason=reason, verdict=verdict,
                       completion_tokens=job.completion_tokens)

@@ -4,14 +4,22 @@ one test process). Served with /healthz and /readyz by worker/http_server.py; th
 are listed in docs/deployment.md and used by deploy/grafana/dashboards/pagedq.json."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pagedq.wire.schema import FinishReason, Status
 from pagedq.worker import http_server
 from pagedq.worker.gpu_metrics import GpuCollector
 from pagedq.worker.health import Health
 
 _LAT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)
+# the (status, finish reason) pairs a worker ends jobs with (worker/admission.py,
+# service.py, job_table.py): each series exists from the start, at 0
+OUTCOMES = ((Status.finished, FinishReason.stop), (Status.finished, FinishReason.length),
+            (Status.finished, FinishReason.deadline), (Status.failed, FinishReason.error),
+            (Status.cancelled, FinishReason.cancelled), (Status.expired, FinishReason.deadline))
 
 
 def observe_many(hist: Histogram, amount: float, count: int) -> None:
@@ -67,10 +75,26 @@ class Metrics:
                                                         "after Redis lost its data")
         self.degraded = g("degraded", "1 while the worker is degraded (a full Redis refuses "
                                       "its writes), else 0")
-        self.finished = Counter("pagedq:request_success", "Jobs ended, by status",
-                                ["status"], registry=reg)
+        self.finished = Counter("pagedq:request_success",
+                                "Jobs ended, by status and finish reason",
+                                ["status", "finish_reason"], registry=reg)
         self.gpu: GpuCollector | None = None
         self.server = None  # the HTTP server, once serve() ran
+
+    def serving(self, model: str, prefixes: Iterable[str], lanes: Iterable[str]) -> None:
+        """Create every series of the label sets the worker will serve, at 0, before the
+        first job: a series born at its first event hides that event from ``rate()`` and
+        ``increase()`` (the first failure, the first job of a lane)."""
+        lanes = tuple(lanes)
+        for lane in lanes:
+            self.ttft.labels(lane)
+            self.queue_wait.labels(lane)
+            for prefix in prefixes:
+                for gauge in (self.stream_length, self.pending, self.oldest_pending,
+                              self.dlq_size):
+                    gauge.labels(prefix, model, lane)
+        for status, reason in OUTCOMES:
+            self.finished.labels(status, reason)
 
     def watch_device(self, device) -> None:
         """Export the GPU gauges of ``device`` (a torch.device; families only on a CPU)."""

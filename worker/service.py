@@ -72,6 +72,8 @@ class Worker:
         self.log = log.bind(worker_id=self.worker_id, model=self.model)
         self.metrics = Metrics()
         self.metrics.watch_device(engine.runner.device)
+        # prefixes in tenants' order, each once (a prefix has several partitions)
+        self.metrics.serving(self.model, dict.fromkeys(k.prefix for k in tenants), ident.lanes)
         self.health = Health(s.health_max_silence_s, self.worker_id)  # /healthz, /readyz
         self.publisher = Publisher(self.r, s)
         self.jobs = JobTable(ident, self.publisher, self.metrics, self.log)
