@@ -473,6 +473,19 @@ def test_curl_examples_of_the_docs_run(stack):
             assert out.count('"token_logprobs":[null,') == 2, res.stdout
 
 
+def test_openai_sdk_example_of_the_docs_runs(stack):
+    """docs/gateway.md's Python block (its ``gateway-sdk`` marker), as written, against
+    this gateway: it ends with the usage chunk's token count."""
+    text = Path(ROOT, "docs/gateway.md").read_text()
+    block, = re.findall(r"<!-- gateway-sdk\b[^\n]*-->\n```python\n(.*?)\n```$", text,
+                        re.M | re.S)
+    res = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PAGEDQ_GATEWAY": stack.gateway.base,
+                                           "PAGEDQ_API_KEY": stack.key, "MODEL": MODEL})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert re.search(r"\ntokens: \d+$", res.stdout.rstrip()), res.stdout
+
+
 def test_cli_keys_and_errors(stack, tmp_path):
     code, out, _ = pagedq("--redis-url", stack.url, "gateway", "key", "list", "--prefix",
                           PREFIX)
