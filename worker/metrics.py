@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 from pagedq.wire.schema import FinishReason, Status
 from pagedq.worker import http_server
@@ -42,6 +49,10 @@ def observe_many(hist: Histogram, amount: float, count: int) -> None:
 class Metrics:
     def __init__(self) -> None:
         self.registry = reg = CollectorRegistry()
+        # the process's CPU seconds, RSS, open fds and start time (a restart), and Python's
+        # version: what the default registry has, which a registry of our own lacks
+        ProcessCollector(registry=reg)
+        PlatformCollector(registry=reg)
         self._preemptions_seen = 0
         g = lambda n, d: Gauge(f"pagedq:{n}", d, registry=reg)
         # the queue gauges: one series per jobs queue (worker/liveness.py read_queue_metrics)
