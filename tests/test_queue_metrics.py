@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import urllib.request
 
+import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -83,7 +84,8 @@ def test_a_fresh_worker_exports_every_label_set_at_zero_before_any_job(redis_ser
         w.start()
         s = all_samples(port)
         for lane in ("interactive", "batch"):
-            for hist in ("time_to_first_token_seconds", "request_queue_time_seconds"):
+            for hist in ("time_to_first_token_seconds", "request_queue_time_seconds",
+                         "submission_to_first_token_seconds"):
                 assert s[f"pagedq:{hist}_count", (("lane", lane),)] == 0, (hist, lane)
             for name in QUEUE_GAUGES:
                 assert (name, (("lane", lane), ("model", MODEL), ("prefix", A))) in s
@@ -102,6 +104,12 @@ def test_a_fresh_worker_exports_every_label_set_at_zero_before_any_job(redis_ser
                   "the job counted", 15, 0.1)
         assert sum(v for (name, _), v in s.items()
                    if name == "pagedq:request_success_total") == 1  # the same series
-        assert s["pagedq:time_to_first_token_seconds_count", (("lane", "interactive"),)] == 1
+        lane = (("lane", "interactive"),)
+        assert s["pagedq:time_to_first_token_seconds_count", lane] == 1
+        # the user's wait: the queue wait, then the engine's time to first token
+        assert s["pagedq:submission_to_first_token_seconds_count", lane] == 1
+        assert s["pagedq:submission_to_first_token_seconds_sum", lane] == pytest.approx(
+            s["pagedq:request_queue_time_seconds_sum", lane]
+            + s["pagedq:time_to_first_token_seconds_sum", lane], abs=1e-6)
     finally:
         w.stop()

@@ -73,6 +73,11 @@ class Metrics:
                              buckets=_ITL, registry=reg)
         self.e2e = Histogram("pagedq:e2e_request_latency_seconds", "Submission to final result",
                              buckets=_LAT, registry=reg)
+        self.submit_ttft = Histogram("pagedq:submission_to_first_token_seconds",
+                                     "Submission to first token: what the user waits "
+                                     "(queue wait by Redis time, then admission to first "
+                                     "token)", ["lane"], buckets=_LAT + (600, 1800, 3600),
+                                     registry=reg)
         self.queue_wait = Histogram("pagedq:request_queue_time_seconds",
                                     "Submission to admission by a worker (queue wait)",
                                     ["lane"], buckets=_LAT + (600, 1800, 3600), registry=reg)
@@ -99,6 +104,7 @@ class Metrics:
         lanes = tuple(lanes)
         for lane in lanes:
             self.ttft.labels(lane)
+            self.submit_ttft.labels(lane)
             self.queue_wait.labels(lane)
             for prefix in prefixes:
                 for gauge in (self.stream_length, self.pending, self.oldest_pending,

@@ -253,6 +253,8 @@ class Worker:
             head = None
             if job.last_token_at is None:
                 self.metrics.ttft.labels(job.lane).observe(now - job.admitted_at)
+                self.metrics.submit_ttft.labels(job.lane).observe(
+                    job.queue_wait_s + now - job.admitted_at)
                 urgent = urgent or job.lane == top
                 head = (job.prompt_tokens, None if o.prompt_logprobs is None else
                         logprobs_json(o.prompt_logprobs, self._token_text))
