@@ -108,6 +108,10 @@ def test_a_fresh_worker_exports_every_label_set_at_zero_before_any_job(redis_ser
         assert s["pagedq:time_to_first_token_seconds_count", lane] == 1
         # the user's wait: the queue wait, then the engine's time to first token
         assert s["pagedq:submission_to_first_token_seconds_count", lane] == 1
+        assert s["pagedq:request_generation_tokens_sum", ()] == 3  # max_tokens, ignore_eos
+        assert s["pagedq:request_generation_tokens_count", ()] == 1
+        assert s["pagedq:request_prompt_tokens_count", ()] == 1
+        assert s["pagedq:request_prompt_tokens_sum", ()] == s["pagedq:prompt_tokens_total", ()]
         assert s["pagedq:submission_to_first_token_seconds_sum", lane] == pytest.approx(
             s["pagedq:request_queue_time_seconds_sum", lane]
             + s["pagedq:time_to_first_token_seconds_sum", lane], abs=1e-6)

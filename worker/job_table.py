@@ -68,6 +68,8 @@ class JobTable:
         def done(verdict: Verdict | str) -> None:
             m.finished.labels(status, reason).inc()
             m.e2e.observe(job.queue_wait_s + time.monotonic() - job.admitted_at)
+            m.request_prompt.observe(job.prompt_tokens)
+            m.request_generation.observe(job.completion_tokens)
             jlog.info("job_done", status=status, finish_reason=reason, verdict=verdict,
                       completion_tokens=job.completion_tokens)
 

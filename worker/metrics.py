@@ -21,6 +21,7 @@ from pagedq.worker.gpu_metrics import GpuCollector
 from pagedq.worker.health import Health
 
 _LAT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+_TOKENS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5))  # 1 .. 500,000
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)
 # the (status, finish reason) pairs a worker ends jobs with (worker/admission.py,
 # service.py, job_table.py): each series exists from the start, at 0
@@ -82,6 +83,12 @@ class Metrics:
                                     "Submission to admission by a worker (queue wait)",
                                     ["lane"], buckets=_LAT + (600, 1800, 3600), registry=reg)
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed")
+        self.request_prompt = Histogram("pagedq:request_prompt_tokens",
+                                        "Prompt tokens of each job ended", buckets=_TOKENS,
+                                        registry=reg)
+        self.request_generation = Histogram("pagedq:request_generation_tokens",
+                                            "Tokens generated for each job ended (all its "
+                                            "choices)", buckets=_TOKENS, registry=reg)
         self.generation_tokens = c("generation_tokens", "Tokens generated")
         self.preemptions = c("num_preemptions", "Preemptions by recompute")
         self.reclaims = c("reclaims", "Entries reclaimed from dead or stale workers")
