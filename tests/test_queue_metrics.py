@@ -112,6 +112,11 @@ def test_a_fresh_worker_exports_every_label_set_at_zero_before_any_job(redis_ser
         assert s["pagedq:request_generation_tokens_count", ()] == 1
         assert s["pagedq:request_prompt_tokens_count", ()] == 1
         assert s["pagedq:request_prompt_tokens_sum", ()] == s["pagedq:prompt_tokens_total", ()]
+        # observed about once a second: its one prompt looked up, no hit (nothing before it)
+        s = until(lambda: (lambda s: s if s["pagedq:prefix_cache_queries_total", ()] else None)(
+            all_samples(port)), "the prefix cache's queries", 15, 0.1)
+        assert s["pagedq:prefix_cache_queries_total", ()] == s["pagedq:prompt_tokens_total", ()]
+        assert s["pagedq:prefix_cache_hits_total", ()] == 0
         assert s["pagedq:submission_to_first_token_seconds_sum", lane] == pytest.approx(
             s["pagedq:request_queue_time_seconds_sum", lane]
             + s["pagedq:time_to_first_token_seconds_sum", lane], abs=1e-6)

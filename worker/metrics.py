@@ -54,7 +54,7 @@ class Metrics:
         # version: what the default registry has, which a registry of our own lacks
         ProcessCollector(registry=reg)
         PlatformCollector(registry=reg)
-        self._preemptions_seen = 0
+        self._seen: dict[str, int] = {}  # engine totals already counted, by counter
         g = lambda n, d: Gauge(f"pagedq:{n}", d, registry=reg)
         # the queue gauges: one series per jobs queue (worker/liveness.py read_queue_metrics)
         queue_g = lambda n, d: Gauge(f"pagedq:{n}", d, ["prefix", "model", "lane"],
@@ -91,6 +91,10 @@ class Metrics:
                                             "choices)", buckets=_TOKENS, registry=reg)
         self.generation_tokens = c("generation_tokens", "Tokens generated")
         self.preemptions = c("num_preemptions", "Preemptions by recompute")
+        self.prefix_queries = c("prefix_cache_queries", "Prompt tokens looked up in the "
+                                                        "prefix cache (each job's first "
+                                                        "admission)")
+        self.prefix_hits = c("prefix_cache_hits", "Prompt tokens served from the prefix cache")
         self.reclaims = c("reclaims", "Entries reclaimed from dead or stale workers")
         self.redis_oom = c("redis_oom_errors", "Writes a full Redis refused (maxmemory), "
                                                "each retried")
@@ -126,14 +130,19 @@ class Metrics:
         self.registry.register(self.gpu)
 
     def observe_engine(self, engine) -> None:
-        """Gauges of the engine's state, and preemptions since the last call."""
+        """Gauges of the engine's state, and the scheduler's totals (preemptions, prefix
+        cache queries and hits) since the last call."""
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
         self.kv_usage.set(engine.kv_cache_usage)
-        total = engine.scheduler.num_preemptions_total
-        if total > self._preemptions_seen:
-            self.preemptions.inc(total - self._preemptions_seen)
-            self._preemptions_seen = total
+        sched = engine.scheduler
+        for name, counter in (("num_preemptions_total", self.preemptions),
+                              ("prefix_cache_queries", self.prefix_queries),
+                              ("prefix_cache_hits", self.prefix_hits)):
+            total = getattr(sched, name)
+            if total > self._seen.get(name, 0):
+                counter.inc(total - self._seen.get(name, 0))
+                self._seen[name] = total
 
     def serve(self, port: int, host: str = "127.0.0.1", health: Health | None = None) -> int:
         """Expose /metrics (and, given ``health``, /healthz and /readyz) on ``host``:``port``
