@@ -89,15 +89,19 @@ def test_a_fresh_worker_exports_every_label_set_at_zero_before_any_job(redis_ser
                 assert s[f"pagedq:{hist}_count", (("lane", lane),)] == 0, (hist, lane)
             for name in QUEUE_GAUGES:
                 assert (name, (("lane", lane), ("model", MODEL), ("prefix", A))) in s
+        tenant = (("model", MODEL), ("prefix", A))
         for status, reason in OUTCOMES:
             key = ("pagedq:request_success_total",
-                   (("finish_reason", reason), ("status", status)))
+                   (("finish_reason", reason), ("model", MODEL), ("prefix", A),
+                    ("status", status)))
             assert s[key] == 0, key
+        for hist in ("request_prompt_tokens", "request_generation_tokens"):
+            assert s[f"pagedq:{hist}_count", tenant] == 0, hist
         with Client(settings=Settings(redis_url=redis_server.url, prefix=A,
                                       model=MODEL)) as c:
             jid = c.submit("hello", max_tokens=3, temperature=0.0, ignore_eos=True)
             assert c.result(jid, timeout=60).status == "finished"
-        length = ("pagedq:request_success_total", (("finish_reason", "length"),
+        length = ("pagedq:request_success_total", (("finish_reason", "length"), *tenant,
                                                    ("status", "finished")))
         # counted by the publisher thread after the result is committed
         s = until(lambda: (lambda s: s if s[length] == 1 else None)(all_samples(port)),
@@ -108,10 +112,11 @@ def test_a_fresh_worker_exports_every_label_set_at_zero_before_any_job(redis_ser
         assert s["pagedq:time_to_first_token_seconds_count", lane] == 1
         # the user's wait: the queue wait, then the engine's time to first token
         assert s["pagedq:submission_to_first_token_seconds_count", lane] == 1
-        assert s["pagedq:request_generation_tokens_sum", ()] == 3  # max_tokens, ignore_eos
-        assert s["pagedq:request_generation_tokens_count", ()] == 1
-        assert s["pagedq:request_prompt_tokens_count", ()] == 1
-        assert s["pagedq:request_prompt_tokens_sum", ()] == s["pagedq:prompt_tokens_total", ()]
+        assert s["pagedq:request_generation_tokens_sum", tenant] == 3  # ignore_eos
+        assert s["pagedq:request_generation_tokens_count", tenant] == 1
+        assert s["pagedq:request_prompt_tokens_count", tenant] == 1
+        assert s["pagedq:request_prompt_tokens_sum", tenant] == \
+            s["pagedq:prompt_tokens_total", ()]
         # observed about once a second: its one prompt looked up, no hit (nothing before it)
         s = until(lambda: (lambda s: s if s["pagedq:prefix_cache_queries_total", ()] else None)(
             all_samples(port)), "the prefix cache's queries", 15, 0.1)

@@ -66,10 +66,9 @@ class JobTable:
         jlog, m = self.log.bind(job_id=job.job_id, prefix=job.keys.prefix), self.metrics
 
         def done(verdict: Verdict | str) -> None:
-            m.finished.labels(status, reason).inc()
+            m.ended(job.keys.prefix, status, reason)
             m.e2e.observe(job.queue_wait_s + time.monotonic() - job.admitted_at)
-            m.request_prompt.observe(job.prompt_tokens)
-            m.request_generation.observe(job.completion_tokens)
+            m.tokens_of(job.keys.prefix, job.prompt_tokens, job.completion_tokens)
             jlog.info("job_done", status=status, finish_reason=reason, verdict=verdict,
                       completion_tokens=job.completion_tokens)
 

@@ -83,12 +83,14 @@ class Metrics:
                                     "Submission to admission by a worker (queue wait)",
                                     ["lane"], buckets=_LAT + (600, 1800, 3600), registry=reg)
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed")
+        # by tenant (key prefix) and model: what each tenant asks of each model
         self.request_prompt = Histogram("pagedq:request_prompt_tokens",
-                                        "Prompt tokens of each job ended", buckets=_TOKENS,
-                                        registry=reg)
+                                        "Prompt tokens of each job ended", ["prefix", "model"],
+                                        buckets=_TOKENS, registry=reg)
         self.request_generation = Histogram("pagedq:request_generation_tokens",
                                             "Tokens generated for each job ended (all its "
-                                            "choices)", buckets=_TOKENS, registry=reg)
+                                            "choices)", ["prefix", "model"], buckets=_TOKENS,
+                                            registry=reg)
         self.generation_tokens = c("generation_tokens", "Tokens generated")
         self.preemptions = c("num_preemptions", "Preemptions by recompute")
         self.prefix_queries = c("prefix_cache_queries", "Prompt tokens looked up in the "
@@ -103,8 +105,10 @@ class Metrics:
         self.degraded = g("degraded", "1 while the worker is degraded (a full Redis refuses "
                                       "its writes), else 0")
         self.finished = Counter("pagedq:request_success",
-                                "Jobs ended, by status and finish reason",
-                                ["status", "finish_reason"], registry=reg)
+                                "Jobs ended, by tenant (key prefix), model, status and "
+                                "finish reason",
+                                ["prefix", "model", "status", "finish_reason"], registry=reg)
+        self.model = ""  # the model served (serving())
         self.gpu: GpuCollector | None = None
         self.server = None  # the HTTP server, once serve() ran
 
@@ -112,7 +116,7 @@ class Metrics:
         """Create every series of the label sets the worker will serve, at 0, before the
         first job: a series born at its first event hides that event from ``rate()`` and
         ``increase()`` (the first failure, the first job of a lane)."""
-        lanes = tuple(lanes)
+        self.model, lanes, prefixes = model, tuple(lanes), tuple(prefixes)
         for lane in lanes:
             self.ttft.labels(lane)
             self.submit_ttft.labels(lane)
@@ -121,8 +125,20 @@ class Metrics:
                 for gauge in (self.stream_length, self.pending, self.oldest_pending,
                               self.dlq_size):
                     gauge.labels(prefix, model, lane)
-        for status, reason in OUTCOMES:
-            self.finished.labels(status, reason)
+        for prefix in prefixes:
+            self.request_prompt.labels(prefix, model)
+            self.request_generation.labels(prefix, model)
+            for status, reason in OUTCOMES:
+                self.finished.labels(prefix, model, status, reason)
+
+    def ended(self, prefix: str, status: str, reason: str) -> None:
+        """A job of tenant ``prefix`` ended (or was dead-lettered)."""
+        self.finished.labels(prefix, self.model, status, reason).inc()
+
+    def tokens_of(self, prefix: str, prompt: int, generated: int) -> None:
+        """The tokens of a job ended: its prompt, and what was generated for it."""
+        self.request_prompt.labels(prefix, self.model).observe(prompt)
+        self.request_generation.labels(prefix, self.model).observe(generated)
 
     def watch_device(self, device) -> None:
         """Export the GPU gauges of ``device`` (a torch.device; families only on a CPU)."""
