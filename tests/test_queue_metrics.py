@@ -114,6 +114,11 @@ def test_a_fresh_worker_exports_every_label_set_at_zero_before_any_job(redis_ser
         assert s["pagedq:submission_to_first_token_seconds_count", lane] == 1
         assert s["pagedq:request_generation_tokens_sum", tenant] == 3  # ignore_eos
         assert s["pagedq:request_generation_tokens_count", tenant] == 1
+        # its phases: prefill = the engine's time to first token; decode after it, > 0
+        assert s["pagedq:request_prefill_time_seconds_sum", ()] == pytest.approx(
+            s["pagedq:time_to_first_token_seconds_sum", lane], abs=1e-9)
+        assert s["pagedq:request_decode_time_seconds_count", ()] == 1
+        assert s["pagedq:request_decode_time_seconds_sum", ()] > 0
         assert s["pagedq:request_prompt_tokens_count", tenant] == 1
         assert s["pagedq:request_prompt_tokens_sum", tenant] == \
             s["pagedq:prompt_tokens_total", ()]

@@ -79,6 +79,13 @@ class Metrics:
                                      "(queue wait by Redis time, then admission to first "
                                      "token)", ["lane"], buckets=_LAT + (600, 1800, 3600),
                                      registry=reg)
+        # vLLM's phases of a job: admission to first token; first to last token
+        self.prefill_time = Histogram("pagedq:request_prefill_time_seconds",
+                                      "Admission to first token of each job ended with one",
+                                      buckets=_LAT, registry=reg)
+        self.decode_time = Histogram("pagedq:request_decode_time_seconds",
+                                     "First to last token of each job ended with one",
+                                     buckets=_LAT, registry=reg)
         self.queue_wait = Histogram("pagedq:request_queue_time_seconds",
                                     "Submission to admission by a worker (queue wait)",
                                     ["lane"], buckets=_LAT + (600, 1800, 3600), registry=reg)

@@ -252,6 +252,7 @@ class Worker:
                     continue
             head = None
             if job.last_token_at is None:
+                job.first_token_at = now
                 self.metrics.ttft.labels(job.lane).observe(now - job.admitted_at)
                 self.metrics.submit_ttft.labels(job.lane).observe(
                     job.queue_wait_s + now - job.admitted_at)
