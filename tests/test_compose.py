@@ -314,7 +314,7 @@ def test_prometheus_scrapes_every_worker_service_on_its_metrics_port():
     assert mount(prom_svc, "./deploy/prometheus/alerts.yml") == prom["rule_files"][0]
     rules = alert_rules()
     assert {r["alert"] for r in rules} >= {
-        "PagedqNoWorkerUp", "PagedqFailureRate", "PagedqQueueWaitP99High",
+        "PagedqNoWorkerUp", "PagedqModelWithoutWorker", "PagedqFailureRate", "PagedqQueueWaitP99High",
         "PagedqDeadLettersGrowing", "PagedqOldestPendingEntry", "PagedqRedisFull",
         "PagedqWorkerRestarts"}
     for r in rules:
@@ -610,8 +610,9 @@ def test_every_dashboard_and_alert_metric_is_exported_by_the_worker(stack):
 
     def scraped():  # as Prometheus asks: colons must survive (no OpenMetrics escaping)
         declared, sampled = scrape_names(get(url, accept=PROMETHEUS_ACCEPT)[1])
-        return (declared, sampled) if 'pagedq:stream_length' in sampled else None
-    declared, sampled = until(scraped, "the queue gauges", 30, 0.5)  # read every 5 s
+        # (the queue gauges exist at 0 from the start: model_workers shows a read)
+        return (declared, sampled) if 'pagedq:model_workers' in sampled else None
+    declared, sampled = until(scraped, "the queue gauges read", 30, 0.5)  # every 5 s
     assert not [n for n in sampled if n.startswith("pagedq_")], "pagedq: became pagedq_"
     gpu = {n for n in declared if n.startswith("pagedq:gpu_")}
     assert gpu == {"pagedq:gpu_memory_allocated_bytes", "pagedq:gpu_memory_reserved_bytes",

@@ -43,6 +43,7 @@ def test_a_worker_serving_two_prefixes_exports_each_prefixs_queue(redis_server, 
                 r.xadd(Keys(prefix).jobs(MODEL, "interactive"),
                        {"job": f"bad-{i}", "body": "{not json"})
         want = {A: 1, B: 2}
+        r.sadd(Keys(B).models, "retired")  # a model once served under B, no worker now
 
         def both_dlqs():  # the gauges are read every 5 s
             s = queue_samples(port)
@@ -56,6 +57,12 @@ def test_a_worker_serving_two_prefixes_exports_each_prefixs_queue(redis_server, 
                     assert (name, prefix, MODEL, lane) in s, (name, prefix, lane)
         assert s["pagedq:dlq_size", A, MODEL, "batch"] == 0
         assert s["pagedq:pending_count", B, MODEL, "interactive"] == 0  # acknowledged
+        # live workers per model seen under each prefix: this one; none for "retired"
+        live = {k[1]: v for k, v in all_samples(port).items()
+                if k[0] == "pagedq:model_workers"}
+        assert live == {(("model", MODEL), ("prefix", A)): 1,
+                        (("model", MODEL), ("prefix", B)): 1,
+                        (("model", "retired"), ("prefix", B)): 0}, live
     finally:
         w.stop()
         r.close()

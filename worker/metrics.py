@@ -68,6 +68,9 @@ class Metrics:
         self.pending = queue_g("pending_count", "Entries delivered but not acknowledged")
         self.oldest_pending = queue_g("oldest_pending_age_seconds", "Idle time of the oldest pending entry")
         self.dlq_size = queue_g("dlq_size", "Entries in the dead-letter stream")
+        self.model_workers = Gauge("pagedq:model_workers", "Live workers of each model ever "
+                                   "served under the prefix (0: its jobs have no worker)",
+                                   ["prefix", "model"], registry=reg)
         self.ttft = Histogram("pagedq:time_to_first_token_seconds", "Admission to first token",
                               ["lane"], buckets=_LAT, registry=reg)
         self.itl = Histogram("pagedq:inter_token_latency_seconds", "Between tokens of one job",
