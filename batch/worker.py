@@ -97,6 +97,17 @@ def run_worker(redis_url: str, prefix: str, settings: Settings, bs: BatchSetting
                     pass
                 self.pubsub_thread.stop(timeout=PUBSUB_STOP_S)
 
+        metrics = None  # batch/metrics.py's, when --metrics-port is set
+
+        def perform_job(self, job, queue, execution) -> bool:
+            """rq's, counted and timed by function (ingest, tick) and outcome."""
+            if self.metrics is None:
+                return super().perform_job(job, queue, execution)
+            from .metrics import timed
+
+            return timed(self.metrics, job.func_name,
+                         lambda: super(_Worker, self).perform_job(job, queue, execution))
+
         def handle_warm_shutdown_request(self) -> None:
             """SIGTERM/SIGINT: a running ingest hands over at once (batch/ingest.py), so
             rq's warm shutdown, which waits for the job, ends in a moment."""
@@ -114,6 +125,11 @@ def run_worker(redis_url: str, prefix: str, settings: Settings, bs: BatchSetting
     worker = _Worker([bs.batch_queue], connection=connect_rq(settings, rq_url),
                      serializer=JSONSerializer, name=name,
                      maintenance_interval=int(max(10, bs.batch_lease_s)))
+    if bs.batch_metrics_port:
+        from .metrics import BatchMetrics
+
+        worker.metrics = BatchMetrics(rt)
+        worker.metrics.serve(bs.batch_metrics_port, bs.batch_metrics_host)
     dog = Watchdog(rt, worker.log)
     dog.start()
     try:
