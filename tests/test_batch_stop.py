@@ -61,7 +61,11 @@ def stack(tiny_dir, tmp_path):
 
 
 def stop_within(rq: RqWorker, seconds: float = STOP_S) -> float:
-    """SIGTERM ``rq``; asserts it exits 0 within ``seconds``, with its scheduler child."""
+    """SIGTERM ``rq``; asserts it exits 0 within ``seconds``, with its scheduler child.
+    Sent once rq's handlers are in (registered is not enough: rq installs them after its
+    birth and its scheduler's start; a SIGTERM before ends the process by the default
+    action, at once, but not with 0)."""
+    until(lambda: _catches_sigterm(rq.proc.pid), "rq's SIGTERM handler", 30, 0.02)
     kids = rq.children()
     t0 = time.monotonic()
     rq.proc.send_signal(signal.SIGTERM)
@@ -74,6 +78,12 @@ def stop_within(rq: RqWorker, seconds: float = STOP_S) -> float:
     for pid in kids:  # rq's scheduler process is gone too
         until(lambda pid=pid: not _alive(pid), f"scheduler child {pid} gone", seconds, 0.05)
     return took
+
+
+def _catches_sigterm(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    return bool(int(caught, 16) & (1 << (signal.SIGTERM - 1)))
 
 
 def _alive(pid: int) -> bool:
