@@ -48,12 +48,12 @@ READS = ("exists", "hgetall", "xread", "xrevrange", "subscribe", "unsubscribe", 
 # worker/*.py outside the scripts: intake (XREADGROUP, XAUTOCLAIM, XPENDING, XINFO GROUPS,
 # XGROUP CREATE, XACK + XDEL in MULTI, BLPOP of the wake lists, LLEN and EXISTS for
 # --until-idle), release (XCLAIM), heartbeat (HSET, EXPIRE, ZADD, ZREMRANGEBYSCORE, SADD,
-# ZREM, DEL), cancels (SMISMEMBER), sweep (SMEMBERS), metrics (XLEN, XPENDING, LLEN),
-# takeover replay (XRANGE).
+# ZREM, DEL), cancels (SMISMEMBER), sweep (SMEMBERS), metrics (XLEN, XPENDING, LLEN, and
+# SMEMBERS + ZCOUNT of the models' serving sets), takeover replay (XRANGE).
 WORKER_COMMANDS = ("xreadgroup", "xautoclaim", "xpending", "xinfo|groups", "xgroup|create",
                    "xack", "xdel", "xclaim", "xrange", "xlen", "hset", "expire", "zadd",
                    "zremrangebyscore", "zrem", "sadd", "smembers", "smismember", "del",
-                   "blpop", "llen", "exists", "multi", "exec", "discard")
+                   "blpop", "llen", "exists", "multi", "exec", "discard", "zcount")
 # The batch control plane runs rq, whose commands change with its versions: data commands
 # by category, minus what would list or wipe keys beyond its patterns (SCAN and RANDOMKEY
 # ignore key patterns; FUNCTION FLUSH/LOAD change the server for everyone).

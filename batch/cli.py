@@ -193,12 +193,26 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is no port: use 0 (off) to 65535")
+    return port
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from .worker import run_worker
 
     settings = Settings(**{k: v for k, v in (("redis_url", getattr(args, "redis_url", None)),
                                              ("prefix", getattr(args, "prefix", None))) if v})
     kw = {"batch_queue": args.queue} if args.queue else {}
+    if args.metrics_port is not None:
+        kw["batch_metrics_port"] = args.metrics_port
+    if args.metrics_host:
+        kw["batch_metrics_host"] = args.metrics_host
     run_worker(settings.redis_url, settings.prefix, settings, BatchSettings(**kw),
                name=args.name, burst=args.burst, log_level=args.log_level.upper())
     return EXIT_OK
@@ -291,3 +305,9 @@ def register(subparsers: argparse._SubParsersAction,
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=("debug", "info", "warning", "error"),
                    help="rq's log level on stderr (default: %(default)s)")
+    p.add_argument("--metrics-port", type=_port, metavar="PORT",
+                   help="serve Prometheus metrics on this port, 0 = off (default: "
+                        "$PAGEDQ_BATCH_METRICS_PORT or 0)")
+    p.add_argument("--metrics-host", metavar="HOST",
+                   help="address of /metrics (default: $PAGEDQ_BATCH_METRICS_HOST or "
+                        f"{_BS['batch_metrics_host'].default})")

@@ -13,7 +13,10 @@ Invariants (what makes it safe to kill at any point and run again):
 * ``cursor``: every valid line below it has a job and ``submitted`` counts them. Jobs exist
   only below the cursor or in the one chunk after it (a run that died mid-chunk); a run
   that stops for good (cancel, window over) counts those too (``extra``) before it sets
-  ``ingested=1``; after that nothing is submitted any more.
+  ``ingested=1``; after that nothing is submitted any more;
+* a process asked to stop (``runtime.stopping``: the batch worker's SIGTERM) hands the rest
+  over to a continuation job at once, even in the middle of a chunk held back by
+  backpressure: the continuation starts at the cursor, as a re-run after a crash does.
 """
 from __future__ import annotations
 
@@ -30,11 +33,12 @@ from pagedq.wire.errors import JobConflict, Overloaded
 from . import lines as L
 from .files import BatchFiles, read_rows, write_rows
 from .record import BatchStatus as S
-from .runtime import Runtime
+from .runtime import Runtime, stopping
 from .shape import invalid_line
 
 LEASE = "ingest_lease"
 MAX_ERRORS_SHOWN = 100  # a failed batch's "errors" lists at most this many lines
+HAND_OVER = "this process is stopping"  # FanOut.submit's: the chunk is not all in
 
 
 def run_ingest(rt: Runtime, batch_id: str, token: str) -> str:
@@ -145,6 +149,8 @@ class FanOut:
                 if not chunk:
                     return self.stop("all lines submitted")
                 stopped = self.submit(chunk)
+                if stopped == HAND_OVER:
+                    return self.hand_over()
                 if stopped:
                     return self.stop(stopped, chunk)
                 last_line, last_off, _ = chunk[-1]
@@ -155,13 +161,20 @@ class FanOut:
                 self.submitted += len(chunk)
                 if self.status() == S.cancelling:  # stop the jobs of this chunk at once
                     self.cancel_jobs(line for line, _, _ in chunk)
-                if time.monotonic() > self.slice_end and self.fenced():
-                    self.rt.enqueue_ingest(self.queue, self.batch_id, self.token)
-                    return "slice over: a continuation is queued"
+                if time.monotonic() > self.slice_end or stopping.is_set():
+                    return self.hand_over()
+
+    def hand_over(self) -> str:
+        """End this rq job and queue a continuation from the cursor (same lease token)."""
+        if not self.fenced():
+            return "lease lost"
+        self.rt.enqueue_ingest(self.queue, self.batch_id, self.token)
+        return "slice over: a continuation is queued"
 
     def submit(self, chunk: list[tuple[int, int, bytes]]) -> str | None:
         """SUBMIT the chunk's lines until all are in; a line refused as Overloaded is sent
-        again after a backoff. Returns why it stopped early (cancel, window over), or None."""
+        again after a backoff. Returns why it stopped early (cancel, window over, HAND_OVER),
+        or None."""
         pending = {line: raw for line, _, raw in chunk}
         delay = 0.05
         while pending:
@@ -189,7 +202,8 @@ class FanOut:
                     pass  # made by an earlier run of this ingest with another timeout_s
                 del pending[line]
             if pending:
-                time.sleep(delay)
+                if stopping.wait(delay):  # the backoff, cut short by a stop request
+                    return HAND_OVER
                 delay = min(2.0, self.rt.bs.batch_lease_s / 3, delay * 2)  # lease stays alive
         return None
 

@@ -26,6 +26,10 @@ from .store import BatchStore
 INGEST_FUNC = "pagedq.batch.jobs.ingest"
 TICK_FUNC = "pagedq.batch.jobs.tick"
 FAILURE_TTL_S = 86400
+# set when this process is asked to stop (``pagedq batch worker``'s SIGTERM): a job that
+# could run on for long (an ingest waiting on backpressure) hands the rest of its work to
+# a continuation job instead of holding the stop up (rq's warm shutdown waits for the job)
+stopping = threading.Event()
 
 
 def make_queue(redis_url: str, name: str, settings: Settings) -> Any:

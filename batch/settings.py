@@ -62,6 +62,10 @@ class BatchSettings(BaseSettings):
     batch_collected_ttl_s: int = Field(300, ge=1)
     # a terminal batch's record is kept this long (its files stay until you delete them)
     batch_record_ttl_s: int = Field(30 * 86400, ge=60)
+    # the batch worker's /metrics (batch/metrics.py; needs prometheus-client, in the worker
+    # and gateway extras): 0 = off; the host: loopback unless you open it
+    batch_metrics_port: int = Field(0, ge=0, le=65535)
+    batch_metrics_host: str = "127.0.0.1"
 
     def rq_url(self, redis_url: str, cluster: bool) -> str:
         """The rq queues' Redis URL (``batch_rq_url``, else ``redis_url``); ValueError when

@@ -26,12 +26,13 @@ from pagedq.wire.connection import probe
 from pagedq.wire.settings import Settings
 
 from .rq_redis import connect_rq
-from .runtime import Runtime, configure, new_token, runtime
+from .runtime import Runtime, configure, new_token, runtime, stopping
 from .settings import MAX_WINDOW_S, BatchSettings
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 EXIT_WATCHDOG_FAULT = 71  # as a pagedq worker's fault in a thread (worker/fatal.py)
 PUBSUB_POLL_S = 1.0  # rq's pub/sub thread's wait for a command (a shutdown waits for it)
+PUBSUB_STOP_S = 2.0  # the longest a shutdown waits for that thread (a daemon: it dies with us)
 
 
 def rearm_stale(rt: Runtime) -> int:
@@ -104,6 +105,37 @@ def run_worker(redis_url: str, prefix: str, settings: Settings, bs: BatchSetting
                 sleep_time=PUBSUB_POLL_S, daemon=True,
                 exception_handler=getattr(self, "_pubsub_exception_handler", None))
 
+        def unsubscribe(self) -> None:
+            """rq's, with the wait for the pub/sub thread bounded (redis-py's stop() has
+            none by default) and the connection left to that thread, which closes it on
+            its way out: a thread stuck reconnecting to a Redis that went away does not
+            hold the exit. UNSUBSCRIBE's reply wakes the thread's read at once."""
+            if self.pubsub_thread:
+                self.log.info("Worker %s: unsubscribing from channel %s", self.name,
+                              self.pubsub_channel_name)
+                try:
+                    self.pubsub.unsubscribe()
+                except redis.RedisError:  # Redis away: the thread's poll ends it anyway
+                    pass
+                self.pubsub_thread.stop(timeout=PUBSUB_STOP_S)
+
+        metrics = None  # batch/metrics.py's, when --metrics-port is set
+
+        def perform_job(self, job, queue, execution) -> bool:
+            """rq's, counted and timed by function (ingest, tick) and outcome."""
+            if self.metrics is None:
+                return super().perform_job(job, queue, execution)
+            from .metrics import timed
+
+            return timed(self.metrics, job.func_name,
+                         lambda: super(_Worker, self).perform_job(job, queue, execution))
+
+        def handle_warm_shutdown_request(self) -> None:
+            """SIGTERM/SIGINT: a running ingest hands over at once (batch/ingest.py), so
+            rq's warm shutdown, which waits for the job, ends in a moment."""
+            stopping.set()
+            super().handle_warm_shutdown_request()
+
     configure(redis_url, settings, bs)
     rt = runtime(prefix)
     # fail here, with one line, if Redis refuses the credentials or the TLS set-up
@@ -116,6 +148,11 @@ def run_worker(redis_url: str, prefix: str, settings: Settings, bs: BatchSetting
                      serializer=JSONSerializer, name=name,
                      maintenance_interval=int(max(10, bs.batch_lease_s)))
     die_with_parent()
+    if bs.batch_metrics_port:
+        from .metrics import BatchMetrics
+
+        worker.metrics = BatchMetrics(rt)
+        worker.metrics.serve(bs.batch_metrics_port, bs.batch_metrics_host)
     dog = Watchdog(rt, worker.log)
     dog.start()
     try:

@@ -10,6 +10,7 @@ Public API:
     .finish(seq, reason: str) -> None
     .fits_ever(seq) -> bool, .has_unfinished() -> bool, .can_admit() -> bool
     .num_running, .num_waiting, .num_preemptions_total, .running, .waiting
+    .prefix_cache_queries, .prefix_cache_hits  # prompt tokens looked up, served from cache
     .finished_in_schedule: list[Sequence]    # finished by schedule() itself (KV cache overflow)
 
 One step: the token budget (max_num_batched_tokens) goes first to running requests in
@@ -78,6 +79,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in queue order
         self.requests: dict[str, Sequence] = {}  # every unfinished request
         self.num_preemptions_total = 0
+        # at each request's first admission (a resumed one re-hitting itself is no query)
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.finished_in_schedule: list[Sequence] = []
         self._held_steps = 0  # consecutive steps that held lower-priority prefills back
         self._steps = 0  # schedule() calls so far: the clock of prefill_wait_steps
@@ -254,6 +257,9 @@ class Scheduler:
                 budget += self._preempt(self.running[-1], batch)
                 continue  # look up the prefix again: the victim's blocks were freed
             self.waiting.pop(0)
+            if seq.num_preemptions == 0 and cfg.enable_prefix_caching:
+                self.prefix_cache_queries += seq.num_prompt_tokens
+                self.prefix_cache_hits += seq.num_cached_tokens
             seq.status = SeqStatus.RUNNING
             insort_right(self.running, seq, key=self._key)
             batch.seqs.append(seq)

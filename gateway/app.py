@@ -29,6 +29,7 @@ from pagedq.wire.settings import Settings
 from . import batches, completions, models, responses
 from .auth import Auth
 from .errors import APIError, from_pagedq
+from .metrics import GatewayMetrics, Measure
 from .requests import parse_json
 from .settings import GatewaySettings
 from .tenants import Tenants
@@ -44,7 +45,9 @@ class Gateway:
                  batch_settings: BatchSettings) -> None:
         self.settings, self.gateway, self.batch_settings = settings, gateway, batch_settings
         self.redis = connect_async(settings, decode_responses=True)
-        self.auth = Auth(self.redis, settings.prefix, gateway.auth, gateway.keys_file)
+        self.metrics = GatewayMetrics()
+        self.auth = Auth(self.redis, settings.prefix, gateway.auth, gateway.keys_file,
+                         self.metrics)
         self.tenants = Tenants(settings, batch_settings)
 
     async def aclose(self) -> None:
@@ -118,6 +121,11 @@ def create_app(settings: Settings | None = None, gateway: GatewaySettings | None
             return JSONResponse({"status": "redis unavailable"}, 503)
         return JSONResponse({"status": "ok"})
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Unauthenticated, as /health: Prometheus's scrape (gateway/metrics.py)."""
+        return gw.metrics.response()
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await completions.handle(gw, "chat", request)
@@ -185,6 +193,7 @@ def create_app(settings: Settings | None = None, gateway: GatewaySettings | None
     async def cancel_batch(batch_id: str, request: Request) -> Response:
         return JSONResponse(await batches.cancel_batch(gw, await tenant(request), batch_id))
 
+    app.add_middleware(Measure, metrics=gw.metrics)
     app.add_middleware(RequestId)
     return app
 

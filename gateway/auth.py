@@ -18,6 +18,7 @@ from .apikeys import (
     load_file,
 )
 from .errors import APIError
+from .metrics import GatewayMetrics
 
 log = logging.getLogger("pagedq.gateway")
 
@@ -35,8 +36,10 @@ class Auth:
     """``mode``: auto (keys required once the store holds one), on, off. ``keys_file``:
     the store is that file (read once, here) instead of the Redis hash."""
 
-    def __init__(self, r, admin_prefix: str, mode: str, keys_file: str = "") -> None:
+    def __init__(self, r, admin_prefix: str, mode: str, keys_file: str = "",
+                 metrics: GatewayMetrics | None = None) -> None:
         self.mode, self.default_tenant = mode, admin_prefix
+        self.metrics = metrics
         self.base = Keys(admin_prefix).base
         self.hash_key = apikeys_key(admin_prefix)
         self.file: dict[str, KeyRecord] | None = load_file(keys_file) if keys_file else None
@@ -44,6 +47,17 @@ class Auth:
 
     async def admit(self, authorization: str | None, est_tokens: int) -> Admitted:
         """The tenant of the request, its est_tokens charged; APIError 401 or 429."""
+        try:
+            adm = await self._admit(authorization, est_tokens)
+        except APIError as e:
+            if self.metrics:
+                self.metrics.rejected("rate_limited" if e.status == 429 else e.code)
+            raise
+        if self.metrics:
+            self.metrics.admitted(adm.tenant)
+        return adm
+
+    async def _admit(self, authorization: str | None, est_tokens: int) -> Admitted:
         if self.mode == "off":
             return Admitted(self.default_tenant)
         key = bearer(authorization)

@@ -1,12 +1,14 @@
-"""`pagedq demo`: Redis (embedded if none answers) + a CPU worker process with the
-bundled SmolLM2 + a handful of chat jobs, streamed back into a live view
+"""`pagedq demo`: Redis (an embedded redis-server unless ``--redis-url`` or
+$PAGEDQ_REDIS_URL names one) + a CPU worker process with the bundled SmolLM2 + a handful of chat jobs, streamed back into a live view
 (pagedq/demo_view.py; ``--plain`` or a stdout that is not a terminal: plain lines).
 
 The worker's loading stages and start line (worker/startup.py) are read from its log file
 as it writes them. The jobs are submitted once the worker is ready, so TTFT measures the
 service, not the model load. Greedy (temperature 0): a 135M model samples nonsense at 1.0.
 
-Redis hygiene: the demo's keys live under a prefix of its own (``pagedq-demo-<pid>-<hex>``)
+Redis hygiene: the demo never writes into a Redis the user did not name (a Redis that
+happens to answer on the default port may be a shared or a production one); the one it
+uses is the first line it prints (the live view's header). The demo's keys live under a prefix of its own (``pagedq-demo-<pid>-<hex>``)
 and are removed at exit, after the worker has stopped (it writes heartbeats until then),
 even on Ctrl-C or a failure; ``--keep`` leaves them for a look. With ``--prefix P`` the
 keys are the user's and stay (job records expire after PAGEDQ_RESULT_TTL_S).
@@ -46,10 +48,10 @@ def register(sub: argparse._SubParsersAction, parents: Iterable[argparse.Argumen
     from pagedq.worker.cli import add_engine_args
 
     d = sub.add_parser("demo", help="embedded Redis + CPU worker + a few streamed jobs",
-                       description="Redis (an embedded redis-server when none answers at "
-                                   "--redis-url) + a worker with the bundled SmolLM2 + a few "
-                                   "chat jobs, streamed into a live view, then a summary. The "
-                                   "demo's Redis keys are removed at exit.",
+                       description="Redis (an embedded redis-server, unless --redis-url or "
+                                   "$PAGEDQ_REDIS_URL names one) + a worker with the bundled "
+                                   "SmolLM2 + a few chat jobs, streamed into a live view, then "
+                                   "a summary. The demo's Redis keys are removed at exit.",
                        parents=list(parents))
     add_engine_args(d)
     d.add_argument("--jobs", type=int, default=6, help="jobs to submit (default: %(default)s)")
@@ -80,13 +82,23 @@ def run_demo(args: argparse.Namespace) -> int:
     from pagedq.wire.redis_errors import RedisUnusable, redact_url
     from pagedq.wire.settings import Settings
     from pagedq.worker.config import ConfigError
-    from pagedq.worker.embedded import ensure_redis
+    from pagedq.worker.embedded import redis_answers
+    from pagedq.worker.redis_server import RedisServer
 
     settings = Settings()
-    try:
-        url, server = ensure_redis(args.redis_url or settings.redis_url, settings)
-    except RedisUnusable as e:
-        raise ConfigError(str(e)) from None
+    named = args.redis_url or os.environ.get("PAGEDQ_REDIS_URL")
+    server = None
+    if named:
+        try:
+            if not redis_answers(named, settings):
+                raise ConfigError(f"no Redis answers at {redact_url(named)} (--redis-url or "
+                                  "$PAGEDQ_REDIS_URL); leave both unset for an embedded one")
+        except RedisUnusable as e:
+            raise ConfigError(str(e)) from None
+        url = named
+    else:  # never whatever answers on the default port: it may be a shared Redis
+        server = RedisServer(die_with_parent=True).start()
+        url = server.url
     own_prefix = args.prefix is None
     prefix = args.prefix or f"pagedq-demo-{os.getpid()}-{secrets.token_hex(2)}"
     state = DemoState(redis=redact_url(url) + (" (embedded)" if server else ""), prefix=prefix,

@@ -176,6 +176,11 @@ def promql_metrics(expr: str) -> set[str]:
     return out
 
 
+def alert_rules() -> list[dict]:
+    with open(DEPLOY / "prometheus" / "alerts.yml") as f:
+        return [r for g in yaml.safe_load(f)["groups"] for r in g["rules"]]
+
+
 def dashboard() -> dict:
     return json.loads((DEPLOY / "grafana" / "dashboards" / "pagedq.json").read_text())
 
@@ -304,6 +309,17 @@ def test_prometheus_scrapes_every_worker_service_on_its_metrics_port():
     assert mount(prom_svc, "./deploy/prometheus/prometheus.yml") == \
         "/etc/prometheus/prometheus.yml"
     assert "--config.file=/etc/prometheus/prometheus.yml" in prom_svc["command"]
+    # the alerting rules: each file of rule_files mounted from deploy/prometheus/
+    assert prom["rule_files"] == ["/etc/prometheus/alerts.yml"]
+    assert mount(prom_svc, "./deploy/prometheus/alerts.yml") == prom["rule_files"][0]
+    rules = alert_rules()
+    assert {r["alert"] for r in rules} >= {
+        "PagedqNoWorkerUp", "PagedqModelWithoutWorker", "PagedqFailureRate", "PagedqQueueWaitP99High",
+        "PagedqDeadLettersGrowing", "PagedqOldestPendingEntry", "PagedqRedisFull",
+        "PagedqWorkerRestarts"}
+    for r in rules:
+        assert r["labels"]["severity"] in ("warning", "critical"), r["alert"]
+        assert r["annotations"]["summary"] and promql_metrics(r["expr"]), r["alert"]
 
 
 def test_grafana_provisioning_points_at_the_dashboard_and_prometheus():
@@ -587,15 +603,16 @@ def test_worker_service_serves_a_job_through_its_acl_user(stack):
     assert rec.status == "finished" and rec.usage.completion_tokens == 4
 
 
-def test_every_dashboard_metric_is_exported_by_the_worker(stack):
+def test_every_dashboard_and_alert_metric_is_exported_by_the_worker(stack):
     with stack.client(stack.model) as c:  # one job, so every histogram has samples
         c.result(c.submit("metrics", max_tokens=3, ignore_eos=True), timeout=120)
     url = f"http://127.0.0.1:{stack.metrics_port}/metrics"
 
     def scraped():  # as Prometheus asks: colons must survive (no OpenMetrics escaping)
         declared, sampled = scrape_names(get(url, accept=PROMETHEUS_ACCEPT)[1])
-        return (declared, sampled) if 'pagedq:stream_length' in sampled else None
-    declared, sampled = until(scraped, "the queue gauges", 30, 0.5)  # read every 5 s
+        # (the queue gauges exist at 0 from the start: model_workers shows a read)
+        return (declared, sampled) if 'pagedq:model_workers' in sampled else None
+    declared, sampled = until(scraped, "the queue gauges read", 30, 0.5)  # every 5 s
     assert not [n for n in sampled if n.startswith("pagedq_")], "pagedq: became pagedq_"
     gpu = {n for n in declared if n.startswith("pagedq:gpu_")}
     assert gpu == {"pagedq:gpu_memory_allocated_bytes", "pagedq:gpu_memory_reserved_bytes",
@@ -608,6 +625,12 @@ def test_every_dashboard_metric_is_exported_by_the_worker(stack):
                 assert name in declared, (p["title"], name)
                 if name not in gpu:
                     assert name in sampled, (p["title"], name)
+    for r in alert_rules():  # `up`: Prometheus's own series of each target it scrapes
+        for name in promql_metrics(r["expr"]) - {"up"}:
+            assert name in sampled, (r["alert"], name)
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes",
+                 "process_open_fds", "process_start_time_seconds"):
+        assert name in sampled, name
 
 
 def test_health_endpoints_and_the_image_probe_on_a_live_worker(stack):

@@ -91,3 +91,31 @@ def test_plain_lines_for_logs(redis_server):
     assert re.search(r"^  all +3/3 finished", out, re.M), out
     assert re.search(r"^removed the demo's \d+ Redis keys", out, re.M), out
     assert redis.Redis.from_url(redis_server.url).dbsize() == 0
+
+
+def test_no_redis_named_an_embedded_one_whatever_answers_on_the_default_port(tiny_dir):
+    """Without --redis-url or $PAGEDQ_REDIS_URL the demo starts its own redis-server and
+    says so first, even when a Redis answers on the default port (it may be a shared one:
+    on a machine where one does, the former fallback used it). The tiny model: the point
+    is the Redis, not the answers."""
+    r = subprocess.run([sys.executable, "-m", "pagedq", "demo", "--plain", "--model", tiny_dir,
+                        "--served-name", "tiny", "--jobs", "1", "--max-tokens", "2"],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    first = r.stdout.splitlines()[0]
+    m = re.match(r"redis: redis://127\.0\.0\.1:(\d+)/0 \(embedded\); key prefix ", first)
+    assert m and m[1] != "6379", first
+
+
+def test_a_named_redis_that_does_not_answer_is_one_line_exit_78():
+    from pagedq.worker.redis_server import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    for argv, env in ((["--redis-url", url], {}), ([], {"PAGEDQ_REDIS_URL": url})):
+        r = subprocess.run([sys.executable, "-m", "pagedq", "demo", "--plain", *argv],
+                           cwd=ROOT, env={**_env(), **env}, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 78, (r.stdout, r.stderr)
+        assert r.stderr.strip() == (f"pagedq: no Redis answers at {url} (--redis-url or "
+                                    "$PAGEDQ_REDIS_URL); leave both unset for an embedded one")
+        assert r.stdout == ""

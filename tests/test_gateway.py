@@ -500,6 +500,19 @@ def test_curl_examples_of_the_docs_run(stack):
             assert out.count('"token_logprobs":[null,') == 2, res.stdout
 
 
+def test_openai_sdk_example_of_the_docs_runs(stack):
+    """docs/gateway.md's Python block (its ``gateway-sdk`` marker), as written, against
+    this gateway: it ends with the usage chunk's token count."""
+    text = Path(ROOT, "docs/gateway.md").read_text()
+    block, = re.findall(r"<!-- gateway-sdk\b[^\n]*-->\n```python\n(.*?)\n```$", text,
+                        re.M | re.S)
+    res = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PAGEDQ_GATEWAY": stack.gateway.base,
+                                           "PAGEDQ_API_KEY": stack.key, "MODEL": MODEL})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert re.search(r"\ntokens: \d+$", res.stdout.rstrip()), res.stdout
+
+
 def test_cli_keys_and_errors(stack, tmp_path):
     code, out, _ = pagedq("--redis-url", stack.url, "gateway", "key", "list", "--prefix",
                           PREFIX)
@@ -540,3 +553,47 @@ def test_logs_name_key_ids_never_keys(stack):
     log = stack.gateway.log(None)
     assert stack.key not in log and stack.other_key not in log
     assert "pq-" not in log
+
+
+def gateway_samples(base: str) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value, from the gateway's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(base + "/metrics", timeout=5)  # no API key: as /health
+    assert r.status_code == 200, r.text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def test_metrics_count_requests_rejections_latency_and_open_streams(stack):
+    base, route = stack.gateway.base, "/v1/chat/completions"
+    before = gateway_samples(base)
+    rejected = {reason: ("pagedq:gateway_rejections_total", (("reason", reason),))
+                for reason in ("invalid_api_key", "missing_api_key", "rate_limited")}
+    assert all(key in before for key in rejected.values())  # at 0 from the start
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes",
+                 "process_open_fds"):
+        assert (name, ()) in before, name
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2, "temperature": 0}
+    assert httpx.post(base + route, json=chat, headers=stack.headers(),
+                      timeout=60).status_code == 200
+    assert httpx.post(base + route, json=chat, headers=stack.headers("pq-not-a-key"),
+                      timeout=60).status_code == 401
+    with httpx.stream("POST", base + route, json={**chat, "stream": True},
+                      headers=stack.headers(), timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith(("data:", "id:", ":"))  # the stream is open
+        assert gateway_samples(base)["pagedq:gateway_streams_open", ()] == 1
+        assert list(lines)[-1] in ("data: [DONE]", "")
+    after = until(lambda: (lambda s: s if s["pagedq:gateway_streams_open", ()] == 0 else None)(
+        gateway_samples(base)), "the stream counted closed", 10, 0.05)
+
+    def grew(name: str, labels: dict[str, str]) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+    req = "pagedq:gateway_requests_total"
+    assert grew(req, dict(route=route, method="POST", status="200", tenant=PREFIX)) == 2
+    assert grew(req, dict(route=route, method="POST", status="401", tenant="")) == 1
+    assert grew("pagedq:gateway_rejections_total", dict(reason="invalid_api_key")) == 1
+    assert grew("pagedq:gateway_request_duration_seconds_count", dict(route=route)) == 3

@@ -48,8 +48,9 @@ class Block:
         return _EXPECT.findall(self.code)
 
 
-def blocks() -> list[Block]:
-    text = README.read_text(encoding="utf-8")
+def blocks(doc: Path = README) -> list[Block]:
+    """The bash, sh and python blocks of ``doc`` (tests/test_doc_blocks.py reads docs/)."""
+    text = doc.read_text(encoding="utf-8")
     out = []
     for m in _BLOCK.finditer(text):
         if m[1] not in RUN_LANGS:

@@ -92,6 +92,7 @@ def test_same_prefix_twice_in_one_step_hits_blocks_registered_by_the_first():
     assert a.block_table == [0, 1, 2] and b.block_table == [0, 1, 3]
     assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
     assert [blk.ref_cnt for blk in bm.blocks[:4]] == [2, 2, 1, 1]
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (18, 8)
 
 
 def test_fully_cached_prompt_recomputes_the_last_block():
@@ -139,11 +140,14 @@ def test_preempted_request_rehits_its_own_prefix():
     assert scheduled(batch) == [(a, 1)] and batch.preempted == [b]
     assert b.status is SeqStatus.PREEMPTED and b.num_computed_tokens == 0 and b.block_table == []
     assert b.num_preemptions == 1 and sched.num_preemptions_total == 1
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (16, 0)
     assert sched.waiting == [b] and bm.free_block_ids() == [3, 2]
     assert scheduled(run_step(sched)) == [(a, 1)]  # a finishes; b still does not fit
     assert bm.free_block_ids() == [3, 2, 4, 1, 0]
     assert scheduled(run_step(sched)) == [(b, 1)]  # 8 of its 9 tokens re-hit
     assert b.block_table == [2, 3, 4] and b.num_cached_tokens == 0
+    # its own blocks re-hit on resuming: no query, no hit of the prefix cache
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (16, 0)
 
 
 def test_victim_is_lowest_priority_then_latest_arrival():

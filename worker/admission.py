@@ -288,5 +288,5 @@ class Admission:
                                   deliveries, self.s.dlq_ttl_s))
         if job_id:
             self.jobs.drop(keys.job(job_id))
-        self.metrics.finished.labels(Status.failed).inc()
+        self.metrics.ended(keys.prefix, Status.failed, FinishReason.error)
 

@@ -1,10 +1,10 @@
-"""Use the Redis at the configured URL, or start an embedded redis-server when nothing
-answers there (the demo on a fresh machine)."""
+"""Whether a Redis answers at a URL: `pagedq demo` checks the one the user named (it starts
+an embedded redis-server when none is named, never falling back to whatever answers on
+the default port)."""
 from __future__ import annotations
 
 from pagedq.wire.connection import probe
 from pagedq.wire.settings import Settings
-from pagedq.worker.redis_server import RedisServer
 
 
 def redis_answers(url: str, settings: Settings | None = None) -> bool:
@@ -12,12 +12,3 @@ def redis_answers(url: str, settings: Settings | None = None) -> bool:
     that answers but refuses them raises RedisUnusable: starting an embedded server in
     its place would hide the mistake."""
     return probe(settings or Settings(), url, timeout_s=1.0)
-
-
-def ensure_redis(url: str, settings: Settings | None = None) -> tuple[str, RedisServer | None]:
-    """(url that answers, server we started or None). The embedded server listens on a
-    free port of 127.0.0.1 (the configured port may belong to something else)."""
-    if redis_answers(url, settings):
-        return url, None
-    srv = RedisServer().start()
-    return srv.url, srv

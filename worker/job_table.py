@@ -66,8 +66,12 @@ class JobTable:
         jlog, m = self.log.bind(job_id=job.job_id, prefix=job.keys.prefix), self.metrics
 
         def done(verdict: Verdict | str) -> None:
-            m.finished.labels(status).inc()
+            m.ended(job.keys.prefix, status, reason)
             m.e2e.observe(job.queue_wait_s + time.monotonic() - job.admitted_at)
+            m.tokens_of(job.keys.prefix, job.prompt_tokens, job.completion_tokens)
+            if job.first_token_at is not None and job.last_token_at is not None:
+                m.prefill_time.observe(job.first_token_at - job.admitted_at)
+                m.decode_time.observe(job.last_token_at - job.first_token_at)
             jlog.info("job_done", status=status, finish_reason=reason, verdict=verdict,
                       completion_tokens=job.completion_tokens)
 

@@ -102,6 +102,7 @@ class Job:
     choices: list[ChoiceState] = field(default_factory=list)
     admitted_at: float = 0.0  # time.monotonic() at admission
     queue_wait_s: float = 0.0  # submission to admission (Redis clock)
+    first_token_at: float | None = None  # time.monotonic() of its first token
     last_token_at: float | None = None
 
     def __post_init__(self) -> None:

@@ -110,6 +110,23 @@ class Heartbeat:
             log.warning("leave_failed", error=str(e))
 
 
+def live_workers(ident: WorkerIdentity) -> dict[tuple[str, str], int]:
+    """(prefix, model) -> live workers, for every model ever served under each prefix the
+    worker serves: the entries of its serving set whose heartbeat has not expired (scores
+    are expiry times; partition 0's set, as every worker writes each partition's). Two
+    round trips; 0 says jobs of that model have no worker."""
+    homes = [k for k in ident.tenants if k.partition == 0]
+    pipe = ident.r.pipeline(transaction=False)
+    for k in homes:
+        pipe.smembers(k.models)
+    seen = [(k, m) for k, ms in zip(homes, pipe.execute(), strict=True) for m in sorted(ms)]
+    now = time.time()
+    pipe = ident.r.pipeline(transaction=False)
+    for k, m in seen:
+        pipe.zcount(k.serving(m), now, "+inf")
+    return {(k.prefix, m): n for (k, m), n in zip(seen, pipe.execute(), strict=True)}
+
+
 def read_queue_metrics(ident: WorkerIdentity, metrics: Metrics) -> None:
     """Stream length, pending, oldest pending age, DLQ size of each lane of each tenant the
     worker serves (one round trip): one series per (prefix, model, lane), the queue the
@@ -126,6 +143,7 @@ def read_queue_metrics(ident: WorkerIdentity, metrics: Metrics) -> None:
             pipe.xpending_range(stream, GROUP, min="-", max="+", count=1)
             pipe.llen(k.inbox(ident.model, lane))
         res = pipe.execute()
+        live = live_workers(ident)
     except Exception as e:  # noqa: BLE001 - metrics must never take the worker down
         log.warning("queue_metrics_failed", error=str(e))
         return
@@ -138,6 +156,8 @@ def read_queue_metrics(ident: WorkerIdentity, metrics: Metrics) -> None:
         t[1] += pend["pending"] if isinstance(pend, dict) else 0
         t[2] += dlq
         t[3] = max(t[3], oldest[0]["time_since_delivered"] / 1000 if oldest else 0)
+    for (prefix, model), n in live.items():
+        metrics.model_workers.labels(prefix, model).set(n)
     for (prefix, lane), (length, pending, dlq, oldest_s) in total.items():
         labels = (prefix, ident.model, lane)
         metrics.stream_length.labels(*labels).set(length)

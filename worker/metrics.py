@@ -4,14 +4,30 @@ one test process). Served with /healthz and /readyz by worker/http_server.py; th
 are listed in docs/deployment.md and used by deploy/grafana/dashboards/pagedq.json."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterable
 
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+
+from pagedq.wire.schema import FinishReason, Status
 from pagedq.worker import http_server
 from pagedq.worker.gpu_metrics import GpuCollector
 from pagedq.worker.health import Health
 
 _LAT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+_TOKENS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5))  # 1 .. 500,000
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)
+# the (status, finish reason) pairs a worker ends jobs with (worker/admission.py,
+# service.py, job_table.py): each series exists from the start, at 0
+OUTCOMES = ((Status.finished, FinishReason.stop), (Status.finished, FinishReason.length),
+            (Status.finished, FinishReason.deadline), (Status.failed, FinishReason.error),
+            (Status.cancelled, FinishReason.cancelled), (Status.expired, FinishReason.deadline))
 
 
 def observe_many(hist: Histogram, amount: float, count: int) -> None:
@@ -34,7 +50,11 @@ def observe_many(hist: Histogram, amount: float, count: int) -> None:
 class Metrics:
     def __init__(self) -> None:
         self.registry = reg = CollectorRegistry()
-        self._preemptions_seen = 0
+        # the process's CPU seconds, RSS, open fds and start time (a restart), and Python's
+        # version: what the default registry has, which a registry of our own lacks
+        ProcessCollector(registry=reg)
+        PlatformCollector(registry=reg)
+        self._seen: dict[str, int] = {}  # engine totals already counted, by counter
         g = lambda n, d: Gauge(f"pagedq:{n}", d, registry=reg)
         # the queue gauges: one series per jobs queue (worker/liveness.py read_queue_metrics)
         queue_g = lambda n, d: Gauge(f"pagedq:{n}", d, ["prefix", "model", "lane"],
@@ -48,18 +68,45 @@ class Metrics:
         self.pending = queue_g("pending_count", "Entries delivered but not acknowledged")
         self.oldest_pending = queue_g("oldest_pending_age_seconds", "Idle time of the oldest pending entry")
         self.dlq_size = queue_g("dlq_size", "Entries in the dead-letter stream")
+        self.model_workers = Gauge("pagedq:model_workers", "Live workers of each model ever "
+                                   "served under the prefix (0: its jobs have no worker)",
+                                   ["prefix", "model"], registry=reg)
         self.ttft = Histogram("pagedq:time_to_first_token_seconds", "Admission to first token",
                               ["lane"], buckets=_LAT, registry=reg)
         self.itl = Histogram("pagedq:inter_token_latency_seconds", "Between tokens of one job",
                              buckets=_ITL, registry=reg)
         self.e2e = Histogram("pagedq:e2e_request_latency_seconds", "Submission to final result",
                              buckets=_LAT, registry=reg)
+        self.submit_ttft = Histogram("pagedq:submission_to_first_token_seconds",
+                                     "Submission to first token: what the user waits "
+                                     "(queue wait by Redis time, then admission to first "
+                                     "token)", ["lane"], buckets=_LAT + (600, 1800, 3600),
+                                     registry=reg)
+        # vLLM's phases of a job: admission to first token; first to last token
+        self.prefill_time = Histogram("pagedq:request_prefill_time_seconds",
+                                      "Admission to first token of each job ended with one",
+                                      buckets=_LAT, registry=reg)
+        self.decode_time = Histogram("pagedq:request_decode_time_seconds",
+                                     "First to last token of each job ended with one",
+                                     buckets=_LAT, registry=reg)
         self.queue_wait = Histogram("pagedq:request_queue_time_seconds",
                                     "Submission to admission by a worker (queue wait)",
                                     ["lane"], buckets=_LAT + (600, 1800, 3600), registry=reg)
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed")
+        # by tenant (key prefix) and model: what each tenant asks of each model
+        self.request_prompt = Histogram("pagedq:request_prompt_tokens",
+                                        "Prompt tokens of each job ended", ["prefix", "model"],
+                                        buckets=_TOKENS, registry=reg)
+        self.request_generation = Histogram("pagedq:request_generation_tokens",
+                                            "Tokens generated for each job ended (all its "
+                                            "choices)", ["prefix", "model"], buckets=_TOKENS,
+                                            registry=reg)
         self.generation_tokens = c("generation_tokens", "Tokens generated")
         self.preemptions = c("num_preemptions", "Preemptions by recompute")
+        self.prefix_queries = c("prefix_cache_queries", "Prompt tokens looked up in the "
+                                                        "prefix cache (each job's first "
+                                                        "admission)")
+        self.prefix_hits = c("prefix_cache_hits", "Prompt tokens served from the prefix cache")
         self.reclaims = c("reclaims", "Entries reclaimed from dead or stale workers")
         self.redis_oom = c("redis_oom_errors", "Writes a full Redis refused (maxmemory), "
                                                "each retried")
@@ -67,10 +114,41 @@ class Metrics:
                                                         "after Redis lost its data")
         self.degraded = g("degraded", "1 while the worker is degraded (a full Redis refuses "
                                       "its writes), else 0")
-        self.finished = Counter("pagedq:request_success", "Jobs ended, by status",
-                                ["status"], registry=reg)
+        self.finished = Counter("pagedq:request_success",
+                                "Jobs ended, by tenant (key prefix), model, status and "
+                                "finish reason",
+                                ["prefix", "model", "status", "finish_reason"], registry=reg)
+        self.model = ""  # the model served (serving())
         self.gpu: GpuCollector | None = None
         self.server = None  # the HTTP server, once serve() ran
+
+    def serving(self, model: str, prefixes: Iterable[str], lanes: Iterable[str]) -> None:
+        """Create every series of the label sets the worker will serve, at 0, before the
+        first job: a series born at its first event hides that event from ``rate()`` and
+        ``increase()`` (the first failure, the first job of a lane)."""
+        self.model, lanes, prefixes = model, tuple(lanes), tuple(prefixes)
+        for lane in lanes:
+            self.ttft.labels(lane)
+            self.submit_ttft.labels(lane)
+            self.queue_wait.labels(lane)
+            for prefix in prefixes:
+                for gauge in (self.stream_length, self.pending, self.oldest_pending,
+                              self.dlq_size):
+                    gauge.labels(prefix, model, lane)
+        for prefix in prefixes:
+            self.request_prompt.labels(prefix, model)
+            self.request_generation.labels(prefix, model)
+            for status, reason in OUTCOMES:
+                self.finished.labels(prefix, model, status, reason)
+
+    def ended(self, prefix: str, status: str, reason: str) -> None:
+        """A job of tenant ``prefix`` ended (or was dead-lettered)."""
+        self.finished.labels(prefix, self.model, status, reason).inc()
+
+    def tokens_of(self, prefix: str, prompt: int, generated: int) -> None:
+        """The tokens of a job ended: its prompt, and what was generated for it."""
+        self.request_prompt.labels(prefix, self.model).observe(prompt)
+        self.request_generation.labels(prefix, self.model).observe(generated)
 
     def watch_device(self, device) -> None:
         """Export the GPU gauges of ``device`` (a torch.device; families only on a CPU)."""
@@ -78,14 +156,19 @@ class Metrics:
         self.registry.register(self.gpu)
 
     def observe_engine(self, engine) -> None:
-        """Gauges of the engine's state, and preemptions since the last call."""
+        """Gauges of the engine's state, and the scheduler's totals (preemptions, prefix
+        cache queries and hits) since the last call."""
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
         self.kv_usage.set(engine.kv_cache_usage)
-        total = engine.scheduler.num_preemptions_total
-        if total > self._preemptions_seen:
-            self.preemptions.inc(total - self._preemptions_seen)
-            self._preemptions_seen = total
+        sched = engine.scheduler
+        for name, counter in (("num_preemptions_total", self.preemptions),
+                              ("prefix_cache_queries", self.prefix_queries),
+                              ("prefix_cache_hits", self.prefix_hits)):
+            total = getattr(sched, name)
+            if total > self._seen.get(name, 0):
+                counter.inc(total - self._seen.get(name, 0))
+                self._seen[name] = total
 
     def serve(self, port: int, host: str = "127.0.0.1", health: Health | None = None) -> int:
         """Expose /metrics (and, given ``health``, /healthz and /readyz) on ``host``:``port``

@@ -72,6 +72,8 @@ class Worker:
         self.log = log.bind(worker_id=self.worker_id, model=self.model)
         self.metrics = Metrics()
         self.metrics.watch_device(engine.runner.device)
+        # prefixes in tenants' order, each once (a prefix has several partitions)
+        self.metrics.serving(self.model, dict.fromkeys(k.prefix for k in tenants), ident.lanes)
         self.health = Health(s.health_max_silence_s, self.worker_id)  # /healthz, /readyz
         self.publisher = Publisher(self.r, s)
         self.jobs = JobTable(ident, self.publisher, self.metrics, self.log)
@@ -250,7 +252,10 @@ class Worker:
                     continue
             head = None
             if job.last_token_at is None:
+                job.first_token_at = now
                 self.metrics.ttft.labels(job.lane).observe(now - job.admitted_at)
+                self.metrics.submit_ttft.labels(job.lane).observe(
+                    job.queue_wait_s + now - job.admitted_at)
                 urgent = urgent or job.lane == top
                 head = (job.prompt_tokens, None if o.prompt_logprobs is None else
                         logprobs_json(o.prompt_logprobs, self._token_text))
