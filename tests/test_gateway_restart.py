@@ -1,8 +1,9 @@
 """A rolling restart behind the gateway: worker A is stopped cleanly (SIGTERM) while worker
-B starts; an official-SDK client with its default retries, sending requests all along,
-sees no error. Between A's leaving and B's first heartbeat the gateway answers 503
-``no_worker`` with Retry-After (the model was served moments ago), which the SDK retries;
-a 404 ``model_not_found`` there (what a clean stop used to cause) would be raised at once.
+B starts; an official-SDK client, sending requests all along with retries enough for B's
+start, sees no error. Between A's leaving and B's first heartbeat the gateway answers 503
+``no_worker`` (the model was served moments ago), which the SDK retries; a 404
+``model_not_found`` there (what a clean stop used to cause) would be raised at once. The
+gap is made certain: B is held (SIGSTOP) from its spawn until a request has met the gap.
 Real processes throughout: redis-server, `pagedq gateway`, two `pagedq worker`s of a tiny
 random Llama."""
 from __future__ import annotations
@@ -42,9 +43,10 @@ def test_rolling_restart_is_invisible_to_an_sdk_client(tmp_path_factory):
         gw.wait_ready()
         a.wait_ready()
         http = httpx.Client(event_hooks={"response": [lambda r: statuses.append(r.status_code)]})
+        # the SDK's exponential backoff (0.5 s doubling, capped at 8 s): 8 retries wait out
+        # ~40 s, a tiny worker's start under a loaded CI machine included
         sdk = openai.OpenAI(base_url=gw.base + "/v1", api_key=make_key(srv.url),
-                            http_client=http)  # the SDK's default retries (2)
-        assert sdk.max_retries == 2
+                            http_client=http, max_retries=8)
         done, errors, stop = [], [], threading.Event()
 
         def client() -> None:
@@ -67,16 +69,22 @@ def test_rolling_restart_is_invisible_to_an_sdk_client(tmp_path_factory):
         t.start()
         until(lambda: len(done) >= 3 or errors, "requests served by worker A", 60, 0.05)
         b = worker(srv.url, folder, "worker-b").start(wait=False)  # B starts...
+        b.signal(signal.SIGSTOP)  # ...held until the gap is seen
         a.signal(signal.SIGTERM)  # ...while A stops cleanly
         assert a.proc.wait(60) == 0, a.log()
-        # A is gone, B is still loading (its start takes longer than A's stop): a request
-        # now meets no live worker, gets 503 + Retry-After and is retried until B serves it
-        with redis.Redis.from_url(srv.url) as r:
-            b_up = r.exists(f"{{{PREFIX}}}:worker:worker-b")
+        # A is gone, B is held: a request now meets no live worker, gets 503 and is retried
+        # until B serves it
         before = len(statuses)
-        text = sdk.completions.create(model=MODEL, prompt="in the gap", max_tokens=4)
-        assert not b_up and 503 in statuses[before:], statuses[before:]
-        assert text.choices[0].finish_reason in ("stop", "length")
+        gap: list = []
+        asker = threading.Thread(target=lambda: gap.append(sdk.completions.create(
+            model=MODEL, prompt="in the gap", max_tokens=4)), daemon=True)
+        asker.start()
+        until(lambda: 503 in statuses[before:], "a 503 in the gap", 60, 0.05)
+        with redis.Redis.from_url(srv.url) as r:
+            assert not r.exists(f"{{{PREFIX}}}:worker:worker-b")
+        b.signal(signal.SIGCONT)
+        asker.join(120)
+        assert gap and gap[0].choices[0].finish_reason in ("stop", "length"), statuses[before:]
         served_before_b = len(done)
         b.wait_ready()
         until(lambda: len(done) >= served_before_b + 3 or errors, "requests served by B",

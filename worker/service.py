@@ -149,7 +149,8 @@ class Worker:
                           publish_round_trips=self.publisher.rounds,
                           intake_round_trips=self.intake.round_trips,
                           intake_read_round_trips=self.intake.read_round_trips,
-                          loop_s={k: round(v, 3) for k, v in loop.items()},
+                          loop_s={k: round(v, 6) for k, v in loop.items()},  # (µs: intake's
+                          # busy share is often under a millisecond)
                           device_wait_s=round(self.engine.device_wait_s, 3),
                           publisher_cpu_s=round(self.publisher.cpu_s, 3),
                           gc_full=self.gc.full, gc_max_pause_s=round(self.gc.max_s, 4),
