@@ -45,6 +45,13 @@ local function now_str()
   return t[1] .. '.' .. string.format('%06d', tonumber(t[2])), t
 end
 
+-- The live members of a serving set. Scores are heartbeat expiry times, or the moment of a
+-- clean stop (worker/liveness.py leave), compared with the clock to the microsecond: whole
+-- seconds kept a stopped worker "live" for the rest of its second.
+local function live_count(serving)
+  return redis.call('ZCOUNT', serving, (now_str()), '+inf')
+end
+
 -- The final event of a job at index idx, mirrored on its channel. choices: JSON or ''.
 -- maxlen: cap the out stream (approximate), or nil. A final already at idx stays as it is.
 -- out: nil for a job that never ran (CANCEL of a queued job): the final is only published.

@@ -6,8 +6,8 @@
 --       6 inbox list
 -- ARGV: 1 key base ('{P}'), 2 unserved timeout seconds, 3 ttl, 4 max entries to look at
 -- Reply: number of jobs expired
-local nows, t = now_str()
-if redis.call('ZCOUNT', KEYS[2], t[1], '+inf') > 0 then return 0 end
+if live_count(KEYS[2]) > 0 then return 0 end
+local nows = now_str()
 local limit = tonumber(nows) - tonumber(ARGV[2])
 local n = 0
 local function expire(id)

@@ -6,10 +6,9 @@ if #KEYS ~= 1 or ARGV[1] == nil or key_base(KEYS[1]) ~= ARGV[1]
    or KEYS[1] ~= ARGV[1] .. ':models' then
   return redis.error_reply('ERR pagedq SERVED: KEYS[1] must be {P}:models and ARGV[1] its {P}')
 end
-local _, t = now_str()
 local reply = {}
 for _, m in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   reply[#reply + 1] = m
-  reply[#reply + 1] = redis.call('ZCOUNT', ARGV[1] .. ':serving:' .. m, t[1], '+inf')
+  reply[#reply + 1] = live_count(ARGV[1] .. ':serving:' .. m)
 end
 return reply

@@ -74,9 +74,7 @@ if redis.call('EXISTS', job) == 1 then
   return {'conflict', ''}
 end
 local now, t = now_str()
-if ARGV[11] == '1' and redis.call('ZCOUNT', KEYS[6], t[1], '+inf') == 0 then
-  return {'no_worker', model}  -- serving scores are heartbeat expiry times
-end
+if ARGV[11] == '1' and live_count(KEYS[6]) == 0 then return {'no_worker', model} end
 local queued = tonumber(redis.call('GET', KEYS[5]) or '0') or 0
 local qtok, maxj, maxt = tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[8])
 if maxj > 0 and queued >= maxj then
