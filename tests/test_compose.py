@@ -301,9 +301,10 @@ def test_prometheus_scrapes_every_worker_service_on_its_metrics_port():
             assert sd["type"] == "A"
             for name in sd["names"]:
                 targets[name] = sd["port"]
-    assert set(targets) == set(WORKER_SERVICES), targets
+    assert set(targets) == {*WORKER_SERVICES, "batch-worker"}, targets
     for name, port in targets.items():
-        assert port == int(env_of(svcs[name])["PAGEDQ_METRICS_PORT"]), name
+        var = "PAGEDQ_BATCH_METRICS_PORT" if name == "batch-worker" else "PAGEDQ_METRICS_PORT"
+        assert port == int(env_of(svcs[name])[var]), name
         assert str(port) in [str(p) for p in svcs[name]["expose"]]
     prom_svc = svcs["prometheus"]
     assert mount(prom_svc, "./deploy/prometheus/prometheus.yml") == \
@@ -316,7 +317,7 @@ def test_prometheus_scrapes_every_worker_service_on_its_metrics_port():
     assert {r["alert"] for r in rules} >= {
         "PagedqNoWorkerUp", "PagedqModelWithoutWorker", "PagedqFailureRate", "PagedqQueueWaitP99High",
         "PagedqDeadLettersGrowing", "PagedqOldestPendingEntry", "PagedqRedisFull",
-        "PagedqWorkerRestarts"}
+        "PagedqWorkerRestarts", "PagedqBatchWorkerDown"}
     for r in rules:
         assert r["labels"]["severity"] in ("warning", "critical"), r["alert"]
         assert r["annotations"]["summary"] and promql_metrics(r["expr"]), r["alert"]
@@ -661,10 +662,18 @@ def test_batch_worker_service_and_its_healthcheck(stack):
                             PAGEDQ_BATCH_QUEUE=queue)
     before = run_probe(test, env)
     assert before.returncode == 1 and "no rq worker" in before.stdout, before
+    assert env["PAGEDQ_BATCH_METRICS_HOST"] == "0.0.0.0"
+    port = free_port()  # the compose port, 9401, may be taken on this machine
+    env.update(PAGEDQ_BATCH_METRICS_PORT=str(port), PAGEDQ_BATCH_METRICS_HOST="127.0.0.1")
     p = stack.run(svc["command"], env)
     until(lambda: run_probe(test, env).returncode == 0 or p.poll() is not None,
           "the batch worker's healthcheck to pass", 60, 0.5)
     assert p.poll() is None, stack.log(p)
+    # what the compose Prometheus scrapes (its job pagedq-batch-worker)
+    declared, _sampled = scrape_names(get(f"http://127.0.0.1:{port}/metrics",
+                                          accept=PROMETHEUS_ACCEPT)[1])
+    assert {"pagedq:batches", "pagedq:batch_requests", "pagedq:batch_rq_jobs",
+            "process_resident_memory_bytes"} <= declared, declared
     p.send_signal(signal.SIGTERM)  # rq's warm shutdown unregisters the worker, in seconds
     assert p.wait(15) == 0, stack.log(p)  # (its pub/sub thread once held it up to 60 s)
     after = run_probe(test, env)
